@@ -28,8 +28,6 @@ except Exception as exc:  # pragma: no cover - exercised only without triton
             RuntimeWarning,
             stacklevel=2,
         )
-        for k in ("block_v", "block_n", "num_warps"):
-            kwargs.pop(k, None)
         return tree_verify_ref(*args, **kwargs)
 
 

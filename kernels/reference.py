@@ -81,6 +81,9 @@ def tree_verify_ref(
     check_data: Optional[bool] = None,
     check_duplicates: bool = True,
     generator: Optional[torch.Generator] = None,
+    block_v: int = 0,
+    block_n: Optional[int] = None,
+    num_warps: int = 4,
 ):
     """Reference tree verification; see :func:`ddtree_patcher.kernels.tree_verify`.
 
@@ -88,8 +91,9 @@ def tree_verify_ref(
     them with ``torch`` (``generator``, or one ``torch.Generator`` per request
     seeded from ``seeds[r]``). These streams differ from the kernel's in-kernel
     Philox stream, so only explicit coins and noise give bit-identical results.
-    ``positions``, ``max_num_nodes``, ``check_duplicates`` and ``check_data`` are
-    accepted for signature compatibility (``check_duplicates=False`` promises
+    ``positions``, ``max_num_nodes``, ``check_duplicates``, ``check_data`` and the
+    kernel tuning knobs (``block_v``, ``block_n``, ``num_warps``) are accepted for
+    signature compatibility (``check_duplicates=False`` promises
     distinct sibling tokens, which the reference does not need).
     """
     from . import _validate as V
