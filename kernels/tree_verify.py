@@ -31,11 +31,13 @@ import triton.language as tl
 
 from ._validate import check_inputs
 
-PLACEHOLDER_TOKEN_ID: tl.constexpr = -1
+# NOTE: module constants must be tl.constexpr *instances* for the compiler
+# (an annotation alone is rejected); the interpreter does not check this.
+PLACEHOLDER_TOKEN_ID = tl.constexpr(-1)
 # NOTE: target-only acceptance is decided in 2**-52 fixed point (int64) so the
 # inclusive cumulative sum is exact and independent of the scan order; the
 # PyTorch reference does the same arithmetic and matches bit for bit.
-FIXED_POINT_SCALE: tl.constexpr = 4503599627370496.0  # 2**52
+FIXED_POINT_SCALE = tl.constexpr(4503599627370496.0)  # 2**52
 DEFAULT_BLOCK_V = 4096
 DUP_CHUNK = 16
 
@@ -62,6 +64,104 @@ def _philox_coin_fx(seed, position):
 def _final_seed(seed, position):
     # Separate Philox key for the final-token noise of one (request, round).
     return seed * 6364136223846793005 + position * 1442695040888963407 + 1013904223
+
+
+@triton.jit
+def _greedy_walk(target_argmax_ptr, tok, par, offs, wo, out_tok, out_row, row0, num_nodes, width,
+                 BLOCK_N: tl.constexpr):
+    cur = row0 * 0
+    depth = row0 * 0
+    # ---------------- greedy: follow the target argmax ----------------
+    am = tl.load(target_argmax_ptr + row0 + offs, mask=offs <= num_nodes, other=-1).to(tl.int32)
+    go = depth == 0
+    while go:
+        t = _pick(am, offs, cur)
+        match = (par == cur) & (tok == t)
+        nxt = tl.min(tl.where(match, offs, BLOCK_N), axis=0)  # lowest index wins
+        acc = (nxt < BLOCK_N) & (depth < width - 1)
+        out_tok = tl.where(acc & (wo == depth), t, out_tok)
+        out_row = tl.where(acc & (wo == depth + 1), row0 + nxt, out_row)
+        cur = tl.where(acc, nxt, cur)
+        depth = tl.where(acc, depth + 1, depth)
+        go = acc
+    t = _pick(am, offs, cur)
+    out_tok = tl.where(wo == depth, t, out_tok)
+    return out_tok, out_row, depth
+
+
+@triton.jit
+def _sampled_walk(target_probs_ptr, coins_ptr, seeds_ptr, positions_ptr, scratch_ptr,
+                  draft_token_ids_ptr, draft_parent_ids_ptr, tok, par, valid, offs, wo,
+                  out_tok, out_row, req_idx, start_idx, row0, num_nodes, batch_size, width,
+                  vocab_size, BLOCK_N: tl.constexpr, HAS_COINS: tl.constexpr,
+                  HAS_POSITIONS: tl.constexpr, CHECK_DUPLICATES: tl.constexpr,
+                  DUP_CHUNK: tl.constexpr):
+    cur = row0 * 0
+    depth = row0 * 0
+    # ---------------- sampled, target-only (Mode A) ----------------
+    # Edge probability e[j] = p_{parent(j)}(tok(j)): one independent gather
+    # per node. NOTE: int64 row offsets (row * V overflows int32 at T > 14134).
+    in_vocab = valid & (tok < vocab_size)
+    erow = (row0 + tl.where(in_vocab, par, 0)).to(tl.int64)
+    e = tl.load(target_probs_ptr + erow * vocab_size + tl.where(in_vocab, tok, 0),
+                mask=in_vocab, other=0.0).to(tl.float32)
+    e = tl.where(e > 0, e, 0.0)  # NaN / negative -> 0
+    sib = valid
+    if CHECK_DUPLICATES:
+        # A later sibling with the same token is unreachable (spec §2/§3.2).
+        dup = offs < 0
+        for i0 in range(0, num_nodes, DUP_CHUNK):
+            io = i0 + 1 + tl.arange(0, DUP_CHUNK)
+            im = io <= num_nodes
+            ti = tl.load(draft_token_ids_ptr + start_idx + io - 1, mask=im, other=-1).to(tl.int32)
+            pi = tl.load(draft_parent_ids_ptr + start_idx + io - 1, mask=im, other=-1).to(tl.int32)
+            vi = im & (ti >= 0) & (pi >= 0) & (pi < io)
+            eq = ((pi[:, None] == par[None, :]) & (ti[:, None] == tok[None, :])
+                  & (io[:, None] < offs[None, :]) & vi[:, None])
+            dup = dup | (tl.max(eq.to(tl.int32), axis=0) > 0)
+        sib = valid & (dup == 0)
+    efx = (tl.minimum(e, 1.0).to(tl.float64) * FIXED_POINT_SCALE).to(tl.int64)
+    efx = tl.where(sib, efx, 0)
+    if HAS_COINS:
+        cf = tl.load(coins_ptr + row0 + offs, mask=offs <= num_nodes, other=0.5).to(tl.float64)
+        cf = tl.where(cf > 0, cf, 0.0)
+        cfx = (tl.minimum(cf, 1.0) * FIXED_POINT_SCALE).to(tl.int64)
+        seed = 0
+        pos0 = 0
+    else:
+        cfx = efx  # unused
+        seed = tl.load(seeds_ptr + req_idx).to(tl.int64)
+        if HAS_POSITIONS:
+            pos0 = tl.load(positions_ptr + req_idx).to(tl.int64)
+        else:
+            pos0 = seed * 0
+    go = depth == 0
+    while go:
+        child = sib & (par == cur)
+        csum = tl.cumsum(tl.where(child, efx, 0), axis=0)
+        if HAS_COINS:
+            ufx = _pick(cfx, offs, cur)
+        else:
+            ufx = _philox_coin_fx(seed, pos0 + depth)
+        nxt = tl.min(tl.where(child & (csum > ufx), offs, BLOCK_N), axis=0)
+        acc = (nxt < BLOCK_N) & (depth < width - 1)
+        t = _pick(tok, offs, nxt)
+        out_tok = tl.where(acc & (wo == depth), t, out_tok)
+        out_row = tl.where(acc & (wo == depth + 1), row0 + nxt, out_row)
+        cur = tl.where(acc, nxt, cur)
+        depth = tl.where(acc, depth + 1, depth)
+        go = acc
+    # Final node: exclude its (tested) children unless it sits at the depth cap,
+    # where it is treated as a leaf.
+    capped = depth >= width - 1
+    child = sib & (par == cur) & (capped == 0)
+    last = tl.max(tl.where(child & (e > 0), offs, -1), axis=0)
+    fallback = tl.where(last >= 0, _pick(tok, offs, last), PLACEHOLDER_TOKEN_ID)
+    tl.store(scratch_ptr + req_idx, row0 + cur)
+    tl.store(scratch_ptr + batch_size + req_idx, tl.where(capped, -1, cur))
+    tl.store(scratch_ptr + 2 * batch_size + req_idx, fallback)
+
+    return out_tok, out_row, depth
 
 
 @triton.jit(do_not_specialize=["width", "vocab_size"])
@@ -114,94 +214,27 @@ def tree_verify_walk_kernel(
     out_row = tl.where(wo == 0, row0, tl.full([BLOCK_W], PLACEHOLDER_TOKEN_ID, tl.int32))
 
     if ALL_GREEDY:
-        greedy = req_idx >= 0
+        out_tok, out_row, depth = _greedy_walk(
+            target_argmax_ptr, tok, par, offs, wo, out_tok, out_row, row0, num_nodes, width,
+            BLOCK_N)
     elif ALL_SAMPLED:
-        greedy = req_idx < 0
+        out_tok, out_row, depth = _sampled_walk(
+            target_probs_ptr, coins_ptr, seeds_ptr, positions_ptr, scratch_ptr,
+            draft_token_ids_ptr, draft_parent_ids_ptr, tok, par, valid, offs, wo,
+            out_tok, out_row, req_idx, start_idx, row0, num_nodes, batch_size, width,
+            vocab_size, BLOCK_N, HAS_COINS, HAS_POSITIONS, CHECK_DUPLICATES, DUP_CHUNK)
     else:
-        greedy = tl.load(is_greedy_ptr + req_idx) != 0
-
-    cur = req_idx * 0
-    depth = req_idx * 0
-    if greedy:
-        # ---------------- greedy: follow the target argmax ----------------
-        am = tl.load(target_argmax_ptr + row0 + offs, mask=offs <= num_nodes, other=-1).to(tl.int32)
-        go = depth == 0
-        while go:
-            t = _pick(am, offs, cur)
-            match = (par == cur) & (tok == t)
-            nxt = tl.min(tl.where(match, offs, BLOCK_N), axis=0)  # lowest index wins
-            acc = (nxt < BLOCK_N) & (depth < width - 1)
-            out_tok = tl.where(acc & (wo == depth), t, out_tok)
-            out_row = tl.where(acc & (wo == depth + 1), row0 + nxt, out_row)
-            cur = tl.where(acc, nxt, cur)
-            depth = tl.where(acc, depth + 1, depth)
-            go = acc
-        t = _pick(am, offs, cur)
-        out_tok = tl.where(wo == depth, t, out_tok)
-    else:
-        if not ALL_GREEDY:
-            # ---------------- sampled, target-only (Mode A) ----------------
-            # Edge probability e[j] = p_{parent(j)}(tok(j)): one independent gather
-            # per node. NOTE: int64 row offsets (row * V overflows int32 at T > 14134).
-            in_vocab = valid & (tok < vocab_size)
-            erow = (row0 + tl.where(in_vocab, par, 0)).to(tl.int64)
-            e = tl.load(target_probs_ptr + erow * vocab_size + tl.where(in_vocab, tok, 0),
-                        mask=in_vocab, other=0.0).to(tl.float32)
-            e = tl.where(e > 0, e, 0.0)  # NaN / negative -> 0
-            sib = valid
-            if CHECK_DUPLICATES:
-                # A later sibling with the same token is unreachable (spec §2/§3.2).
-                dup = offs < 0
-                for i0 in range(0, num_nodes, DUP_CHUNK):
-                    io = i0 + 1 + tl.arange(0, DUP_CHUNK)
-                    im = io <= num_nodes
-                    ti = tl.load(draft_token_ids_ptr + start_idx + io - 1, mask=im, other=-1).to(tl.int32)
-                    pi = tl.load(draft_parent_ids_ptr + start_idx + io - 1, mask=im, other=-1).to(tl.int32)
-                    vi = im & (ti >= 0) & (pi >= 0) & (pi < io)
-                    eq = ((pi[:, None] == par[None, :]) & (ti[:, None] == tok[None, :])
-                          & (io[:, None] < offs[None, :]) & vi[:, None])
-                    dup = dup | (tl.max(eq.to(tl.int32), axis=0) > 0)
-                sib = valid & (dup == 0)
-            efx = (tl.minimum(e, 1.0).to(tl.float64) * FIXED_POINT_SCALE).to(tl.int64)
-            efx = tl.where(sib, efx, 0)
-            if HAS_COINS:
-                cf = tl.load(coins_ptr + row0 + offs, mask=offs <= num_nodes, other=0.5).to(tl.float64)
-                cf = tl.where(cf > 0, cf, 0.0)
-                cfx = (tl.minimum(cf, 1.0) * FIXED_POINT_SCALE).to(tl.int64)
-                seed = 0
-                pos0 = 0
-            else:
-                cfx = efx  # unused
-                seed = tl.load(seeds_ptr + req_idx).to(tl.int64)
-                if HAS_POSITIONS:
-                    pos0 = tl.load(positions_ptr + req_idx).to(tl.int64)
-                else:
-                    pos0 = seed * 0
-            go = depth == 0
-            while go:
-                child = sib & (par == cur)
-                csum = tl.cumsum(tl.where(child, efx, 0), axis=0)
-                if HAS_COINS:
-                    ufx = _pick(cfx, offs, cur)
-                else:
-                    ufx = _philox_coin_fx(seed, pos0 + depth)
-                nxt = tl.min(tl.where(child & (csum > ufx), offs, BLOCK_N), axis=0)
-                acc = (nxt < BLOCK_N) & (depth < width - 1)
-                t = _pick(tok, offs, nxt)
-                out_tok = tl.where(acc & (wo == depth), t, out_tok)
-                out_row = tl.where(acc & (wo == depth + 1), row0 + nxt, out_row)
-                cur = tl.where(acc, nxt, cur)
-                depth = tl.where(acc, depth + 1, depth)
-                go = acc
-            # Final node: exclude its (tested) children unless it sits at the depth cap,
-            # where it is treated as a leaf.
-            capped = depth >= width - 1
-            child = sib & (par == cur) & (capped == 0)
-            last = tl.max(tl.where(child & (e > 0), offs, -1), axis=0)
-            fallback = tl.where(last >= 0, _pick(tok, offs, last), PLACEHOLDER_TOKEN_ID)
-            tl.store(scratch_ptr + req_idx, row0 + cur)
-            tl.store(scratch_ptr + batch_size + req_idx, tl.where(capped, -1, cur))
-            tl.store(scratch_ptr + 2 * batch_size + req_idx, fallback)
+        depth = row0 * 0
+        if tl.load(is_greedy_ptr + req_idx) != 0:
+            out_tok, out_row, depth = _greedy_walk(
+                target_argmax_ptr, tok, par, offs, wo, out_tok, out_row, row0, num_nodes,
+                width, BLOCK_N)
+        else:
+            out_tok, out_row, depth = _sampled_walk(
+                target_probs_ptr, coins_ptr, seeds_ptr, positions_ptr, scratch_ptr,
+                draft_token_ids_ptr, draft_parent_ids_ptr, tok, par, valid, offs, wo,
+                out_tok, out_row, req_idx, start_idx, row0, num_nodes, batch_size, width,
+                vocab_size, BLOCK_N, HAS_COINS, HAS_POSITIONS, CHECK_DUPLICATES, DUP_CHUNK)
 
     wmask = wo < width
     obase = req_idx.to(tl.int64) * width

@@ -1,0 +1,106 @@
+"""AOT-compile every tree_verify kernel for NVIDIA targets without a GPU.
+
+Run as a script in a process WITHOUT ``TRITON_INTERPRET`` (the @triton.jit
+decorator picks interpreter mode at import time). Prints one line per compiled
+variant and exits non-zero on the first failure.
+
+    python tests/kernels/aot_compile.py 90 80
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _shim import ensure_kernels_importable  # noqa: E402
+
+ensure_kernels_importable()
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+import importlib  # noqa: E402
+
+# NOTE: the package attribute `tree_verify` is the function; take the module.
+K = importlib.import_module("ddtree_patcher.kernels.tree_verify")
+
+
+def _sig(fn, types, consts):
+    sig = {}
+    for name in fn.arg_names:
+        if name in consts:
+            sig[name] = "constexpr"
+        else:
+            sig[name] = types[name]
+    return sig
+
+
+WALK_PTRS = dict(
+    output_token_ids_ptr="*i32", accepted_rows_ptr="*i32", num_accepted_ptr="*i32",
+    scratch_ptr="*i32", draft_token_ids_ptr="*i32", draft_parent_ids_ptr="*i32",
+    cu_num_draft_tokens_ptr="*i32", target_argmax_ptr="*i64", target_probs_ptr="*fp32",
+    is_greedy_ptr="*i1", coins_ptr="*fp64", seeds_ptr="*i64", positions_ptr="*i64",
+    batch_size="i32", width="i32", vocab_size="i32",
+)
+SAMPLE_PTRS = dict(
+    block_max_ptr="*fp32", block_idx_ptr="*i32", scratch_ptr="*i32", num_accepted_ptr="*i32",
+    draft_token_ids_ptr="*i32", draft_parent_ids_ptr="*i32", cu_num_draft_tokens_ptr="*i32",
+    target_probs_ptr="*fp32", is_greedy_ptr="*i1", inv_exp_noise_ptr="*fp32",
+    seeds_ptr="*i64", positions_ptr="*i64", batch_size="i32", width="i32", vocab_size="i32",
+)
+REDUCE_PTRS = dict(
+    output_token_ids_ptr="*i32", block_max_ptr="*fp32", block_idx_ptr="*i32", scratch_ptr="*i32",
+    num_accepted_ptr="*i32", is_greedy_ptr="*i1", batch_size="i32", width="i32",
+)
+
+
+def variants():
+    for block_n in (16, 1024):
+        yield "walk all-greedy", K.tree_verify_walk_kernel, WALK_PTRS, dict(
+            target_probs_ptr=None, is_greedy_ptr=None, coins_ptr=None, seeds_ptr=None,
+            positions_ptr=None, BLOCK_N=block_n, BLOCK_W=16, ALL_GREEDY=True, ALL_SAMPLED=False,
+            HAS_COINS=False, HAS_POSITIONS=False, CHECK_DUPLICATES=True, DUP_CHUNK=K.DUP_CHUNK), block_n
+        yield "walk sampled+coins", K.tree_verify_walk_kernel, WALK_PTRS, dict(
+            target_argmax_ptr=None, is_greedy_ptr=None, seeds_ptr=None, positions_ptr=None,
+            BLOCK_N=block_n, BLOCK_W=16, ALL_GREEDY=False, ALL_SAMPLED=True, HAS_COINS=True,
+            HAS_POSITIONS=False, CHECK_DUPLICATES=True, DUP_CHUNK=K.DUP_CHUNK), block_n
+        yield "walk mixed+philox", K.tree_verify_walk_kernel, WALK_PTRS, dict(
+            coins_ptr=None, BLOCK_N=block_n, BLOCK_W=16, ALL_GREEDY=False, ALL_SAMPLED=False,
+            HAS_COINS=False, HAS_POSITIONS=True, CHECK_DUPLICATES=False, DUP_CHUNK=K.DUP_CHUNK), block_n
+    for noise in (True, False):
+        yield f"sample noise={noise}", K.tree_verify_sample_kernel, SAMPLE_PTRS, dict(
+            is_greedy_ptr=None, inv_exp_noise_ptr=None if not noise else "keep",
+            seeds_ptr=None if noise else "keep", positions_ptr=None if noise else "keep",
+            NUM_VBLOCKS=38, BLOCK_V=4096, BLOCK_N=64, ALL_SAMPLED=True, HAS_NOISE=noise,
+            HAS_POSITIONS=not noise), 64
+        yield f"sample mixed noise={noise}", K.tree_verify_sample_kernel, SAMPLE_PTRS, dict(
+            inv_exp_noise_ptr=None if not noise else "keep",
+            seeds_ptr=None if noise else "keep", positions_ptr="keep" if not noise else None,
+            NUM_VBLOCKS=38, BLOCK_V=4096, BLOCK_N=1024, ALL_SAMPLED=False, HAS_NOISE=noise,
+            HAS_POSITIONS=not noise), 1024
+    yield "reduce", K.tree_verify_reduce_kernel, REDUCE_PTRS, dict(
+        is_greedy_ptr=None, NUM_VBLOCKS=38, BLOCK_VB=64, ALL_SAMPLED=True), 0
+    yield "reduce mixed", K.tree_verify_reduce_kernel, REDUCE_PTRS, dict(
+        NUM_VBLOCKS=38, BLOCK_VB=64, ALL_SAMPLED=False), 0
+
+
+def main(archs):
+    n = 0
+    for arch in archs:
+        for name, fn, types, consts, _ in variants():
+            consts = {k: v for k, v in consts.items() if v != "keep"}
+            src = ASTSource(fn=fn, signature=_sig(fn, types, consts), constexprs=consts)
+            k = triton.compile(src, target=GPUTarget("cuda", arch, 32))
+            assert k.asm.get("cubin"), name
+            print(f"sm_{arch} {name}: cubin {len(k.asm['cubin'])} B, shared {k.metadata.shared}")
+            n += 1
+    print(f"AOT OK: {n} variants")
+
+
+if __name__ == "__main__":
+    main([int(a) for a in (sys.argv[1:] or ["90", "80"])])
