@@ -1,0 +1,136 @@
+"""``ddtree-patch apply | verify | revert | list``.
+
+Exit codes: 0 desired state holds; 1 internal error; 2 usage; 3 refused, nothing changed;
+4 environment error, nothing changed; 5 post-apply validation failed, rolled back;
+6 verify: something pending or lost.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+
+import click
+
+from ddtree_patcher import __version__
+from ddtree_patcher.errors import DDTreeError, ExitCode
+
+EPILOG = """\b
+Exit codes:
+  0  the desired state holds (re-running is a no-op, changed: false)
+  1  internal error
+  2  usage error
+  3  refused, nothing changed (unknown code shape, foreign edits, modified since apply)
+  4  environment error, nothing changed (not found, permission, read-only, lock timeout)
+  5  validation failed (apply: rolled back; verify --import: modules do not import)
+  6  verify: something is pending, or a patch was lost (vLLM reinstalled after apply)
+"""
+
+_target_options = [
+    click.option("--vllm-path", type=click.Path(file_okay=False), default=None,
+                 help="The vllm package folder, or the site-packages that holds it."),
+    click.option("--python", "python", default=None,
+                 help="Ask this interpreter where its vLLM is (default: the one running ddtree-patch)."),
+    click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout; human text on stderr."),
+    click.option("--lock-timeout", type=float, default=60.0, show_default=True,
+                 help="Seconds to wait for another ddtree-patch run on the same vLLM."),
+]
+_patch_option = click.option("--patch", "patch_ids", multiple=True, metavar="ID",
+                             help="Only this patch (repeatable; default: every patch).")
+
+
+def target_options(f):
+    for opt in reversed(_target_options):
+        f = opt(f)
+    return f
+
+
+def _run(command: str, as_json: bool, vllm_path, python, lock_timeout, fn) -> None:
+    from ddtree_patcher import report
+    from ddtree_patcher.engine import Engine, RefusedWith
+    from ddtree_patcher.target import resolve
+
+    target = None
+    try:
+        target = resolve(vllm_path, python)
+        report.header(command, target)
+        result = fn(Engine(target, lock_timeout=lock_timeout, python=python))
+        report.emit(result, as_json)
+        sys.exit(int(result.code))
+    except RefusedWith as exc:
+        report.emit(exc.result, as_json, error=exc.message)
+        sys.exit(int(ExitCode.REFUSED))
+    except DDTreeError as exc:
+        report.emit_error(command, int(exc.code), exc.message, target, as_json)
+        sys.exit(int(exc.code))
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except Exception as exc:  # a bug: say so, with the traceback
+        traceback.print_exc()
+        report.emit_error(command, int(ExitCode.INTERNAL), f"internal error: {exc!r}", target, as_json)
+        sys.exit(int(ExitCode.INTERNAL))
+
+
+@click.group(epilog=EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="ddtree-patch")
+def main() -> None:
+    """Apply, verify and revert DFlash/DDTree patches to an installed vLLM."""
+
+
+@main.command(epilog=EPILOG)
+@target_options
+@_patch_option
+@click.option("--dry-run", is_flag=True, help="Print the unified diff; write nothing.")
+@click.option("--allow-untested", is_flag=True,
+              help="Apply to a code shape no variant was verified on, if its anchors match exactly.")
+@click.option("--import-check", is_flag=True,
+              help="After writing, import the patched modules in the target interpreter; roll back on failure.")
+def apply(vllm_path, python, as_json, lock_timeout, patch_ids, dry_run, allow_untested, import_check):
+    """Apply patches (all or nothing)."""
+    _run("apply", as_json, vllm_path, python, lock_timeout,
+         lambda e: e.apply(patch_ids, dry_run=dry_run, allow_untested=allow_untested, import_check=import_check))
+
+
+@main.command(epilog=EPILOG)
+@target_options
+@_patch_option
+@click.option("--import", "import_check", is_flag=True,
+              help="Also import the patched modules in a subprocess of the target interpreter.")
+def verify(vllm_path, python, as_json, lock_timeout, patch_ids, import_check):
+    """Report each patch's status without changing anything (never imports vLLM by default)."""
+    _run("verify", as_json, vllm_path, python, lock_timeout, lambda e: e.verify(patch_ids, import_check=import_check))
+
+
+@main.command(epilog=EPILOG)
+@target_options
+@_patch_option
+@click.option("--force", is_flag=True, help="Also revert files modified since apply (their edits are lost).")
+@click.option("--dry-run", is_flag=True, help="Print the unified diff; write nothing.")
+def revert(vllm_path, python, as_json, lock_timeout, patch_ids, force, dry_run):
+    """Restore the original bytes of patched files."""
+    _run("revert", as_json, vllm_path, python, lock_timeout,
+         lambda e: e.revert(patch_ids, force=force, dry_run=dry_run))
+
+
+@main.command(name="list", epilog=EPILOG)
+@click.option("--json", "as_json", is_flag=True, help="JSON on stdout.")
+def list_(as_json):
+    """List the known patches."""
+    import json
+
+    from ddtree_patcher.engine import series
+
+    rows = []
+    for p in series():
+        verified = sorted({v for f in p.files for var in f.variants for v in var.verified_on},
+                          key=lambda s: tuple(int(x) for x in s.split(".")))
+        rows.append({"id": p.id, "kind": p.kind, "summary": p.summary, "upstream": list(p.upstream),
+                     "files": [f.path for f in p.files], "verified_on": verified})
+    for r in rows:
+        print(f"{r['id']:<24} {r['kind']:<5} {r['summary']}  [{', '.join(r['upstream'])}]", file=sys.stderr)
+    if as_json:
+        print(json.dumps({"schema": 1, "command": "list", "patches": rows}, indent=2))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

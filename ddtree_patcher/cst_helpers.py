@@ -1,0 +1,73 @@
+"""Small libcst helpers shared by the patch modules (never patch-specific)."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Iterator
+
+import libcst as cst
+import libcst.matchers as m
+
+
+def iter_defs(body) -> Iterator[cst.CSTNode]:
+    for node in body:
+        if isinstance(node, (cst.FunctionDef, cst.ClassDef)):
+            yield node
+
+
+def find_def(module: cst.Module, qualname: str) -> cst.FunctionDef | cst.ClassDef | None:
+    """The function or class at ``qualname`` ("Class.method", "function"), or None.
+
+    Only direct definitions are followed (no definitions inside ``if`` blocks); two
+    definitions of one name is ambiguous and returns None too.
+    """
+    body = module.body
+    node = None
+    for part in qualname.split("."):
+        found = [n for n in iter_defs(body) if n.name.value == part]
+        if len(found) != 1:
+            return None
+        node = found[0]
+        body = node.body.body if isinstance(node.body, cst.IndentedBlock) else ()
+    return node
+
+
+def shape_hash(module: cst.Module, node: cst.CSTNode) -> str:
+    """sha256 (12 hex digits) of the node's code, decorators included, leading lines dropped.
+
+    This is the ``cst`` hash of vllm-landscape.md: it changes on any edit, comments included.
+    """
+    if hasattr(node, "leading_lines"):
+        node = node.with_changes(leading_lines=())
+    return hashlib.sha256(module.code_for_node(node).encode()).hexdigest()[:12]
+
+
+def count(node: cst.CSTNode, matcher) -> int:
+    return len(m.findall(node, matcher))
+
+
+def contains_text(module: cst.Module, node: cst.CSTNode, text: str) -> bool:
+    return text in module.code_for_node(node)
+
+
+def marker_comment(patch_id: str) -> cst.Comment:
+    return cst.Comment(f"# ddtree-patch: {patch_id}")
+
+
+def marker_text(patch_id: str) -> str:
+    return f"# ddtree-patch: {patch_id}"
+
+
+def with_trailing_marker(line: cst.SimpleStatementLine, patch_id: str) -> cst.SimpleStatementLine:
+    """Put the patch's marker comment at the end of a rewritten statement line."""
+    return line.with_changes(
+        trailing_whitespace=cst.TrailingWhitespace(
+            whitespace=cst.SimpleWhitespace("  "), comment=marker_comment(patch_id)
+        )
+    )
+
+
+def replace_in(module: cst.Module, target: cst.CSTNode, transformer: cst.CSTTransformer) -> cst.Module:
+    """Run ``transformer`` over ``target`` only, and put the result back into ``module``."""
+    new = target.visit(transformer)
+    return module.deep_replace(target, new)

@@ -1,0 +1,144 @@
+"""Classify and rewrite parsed files for a patch (the libcst half of the patch model)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import libcst as cst
+import libcst.matchers as m
+
+from ddtree_patcher import cst_helpers as h
+from ddtree_patcher.patchlib import (
+    APPLIED, DRIFTED, NOT_APPLICABLE, PENDING, UNSUPPORTED, UPSTREAM, Finding, Patch, PatchFile, Site,
+)
+
+
+class CountingTransformer(cst.CSTTransformer):
+    """Base for site transformers: count every rewrite in ``self.matches``."""
+
+    def __init__(self, patch_id: str):
+        super().__init__()
+        self.patch_id = patch_id
+        self.matches = 0
+
+
+@dataclass(frozen=True)
+class _SiteState:
+    status: str  # applied | upstream | not-applicable | pending | mismatch
+    reason: str
+    node: cst.CSTNode | None = None
+
+
+def _site_state(patch: Patch, path: str, module: cst.Module, site: Site) -> _SiteState:
+    where = f"{path}: {site.function}"
+    node = h.find_def(module, site.function)
+    if node is None:
+        return _SiteState("mismatch", f"{where}: function not found (anchor: {site.anchor})")
+    if h.contains_text(module, node, patch.marker):
+        return _SiteState(APPLIED, f"{where}: carries '{patch.marker}'", node)
+    if site.fixed is not None and h.count(node, site.fixed()):
+        return _SiteState(UPSTREAM, f"{where}: upstream fix present", node)
+    if site.applies is not None and not site.applies(module, node):
+        return _SiteState(NOT_APPLICABLE, f"{where}: targeted code absent in this release", node)
+    n = h.count(node, site.unfixed())
+    if n != site.expect:
+        return _SiteState(
+            "mismatch", f"{where}: anchor {site.anchor} matched {n} times (expected {site.expect})", node
+        )
+    return _SiteState(PENDING, f"{where}: {site.anchor}", node)
+
+
+def examine(patch: Patch, pfile: PatchFile, module: cst.Module) -> Finding:
+    """Classify one parsed file for one patch (pure: reads the tree only)."""
+    mismatches: list[str] = []
+    candidates: list[Finding] = []
+    for variant in pfile.variants:
+        states = [_site_state(patch, pfile.path, module, s) for s in variant.sites]
+        bad = [s.reason for s in states if s.status == "mismatch"]
+        if bad:
+            mismatches.append(f"variant {variant.name}: " + "; ".join(bad))
+            continue
+        kinds = {s.status for s in states}
+        if APPLIED in kinds and PENDING in kinds:
+            candidates.append(Finding(DRIFTED, "partially applied: " + "; ".join(
+                s.reason for s in states if s.status == PENDING), variant.name))
+        elif APPLIED in kinds:
+            candidates.append(Finding(APPLIED, "; ".join(s.reason for s in states if s.status == APPLIED),
+                                      variant.name))
+        elif PENDING in kinds:
+            pending = tuple(site for site, st in zip(variant.sites, states) if st.status == PENDING)
+            untested = any(
+                h.shape_hash(module, st.node) not in variant.shapes.get(site.function, frozenset())
+                for site, st in zip(variant.sites, states) if st.status == PENDING
+            )
+            reason = "; ".join(s.reason for s in states if s.status == PENDING)
+            if untested:
+                reason += f" (untested shape: not one variant {variant.name} was verified on)"
+            candidates.append(Finding(PENDING, reason, variant.name, untested, pending))
+        elif UPSTREAM in kinds:
+            candidates.append(Finding(UPSTREAM, "; ".join(s.reason for s in states if s.status == UPSTREAM),
+                                      variant.name))
+        else:
+            candidates.append(Finding(NOT_APPLICABLE, states[0].reason if states else "nothing to patch",
+                                      variant.name))
+    if not candidates:
+        return Finding(UNSUPPORTED, "no variant recognises this code: " + " | ".join(mismatches))
+    # A verified shape beats an untested one; otherwise the first variant that recognises the file.
+    candidates.sort(key=lambda f: f.untested)
+    return candidates[0]
+
+
+def rewrite(patch: Patch, pfile: PatchFile, module: cst.Module, finding: Finding) -> cst.Module:
+    """Rewrite every pending site; each transformer must match exactly ``site.expect`` times."""
+    for site in finding.pending_sites:
+        node = h.find_def(module, site.function)
+        if node is None:  # pragma: no cover - examine() saw it a moment ago
+            raise RewriteError(f"{pfile.path}: {site.function}: function vanished while rewriting")
+        transformer = site.rewrite(patch.id)
+        new = node.visit(transformer)
+        if transformer.matches != site.expect:
+            raise RewriteError(
+                f"{pfile.path}: {site.function}: rewrite of anchor {site.anchor} matched "
+                f"{transformer.matches} times (expected {site.expect})"
+            )
+        module = module.deep_replace(node, new)
+    return module
+
+
+class RewriteError(Exception):
+    pass
+
+
+class ReplaceAndMark(CountingTransformer):
+    """Replace every node matching ``matcher`` with ``replace(node)`` and put the patch's
+    marker comment at the end of each statement line that was changed."""
+
+    def __init__(self, patch_id: str, matcher: m.BaseMatcherNode, replace: Callable[[cst.CSTNode], cst.CSTNode]):
+        super().__init__(patch_id)
+        self.matcher = matcher
+        self.replace = replace
+        self._dirty = False
+
+    def on_leave(self, original_node, updated_node):
+        if m.matches(original_node, self.matcher):
+            self.matches += 1
+            self._dirty = True
+            updated_node = self.replace(updated_node)
+        if self._dirty and isinstance(updated_node, cst.SimpleStatementLine):
+            self._dirty = False
+            updated_node = mark_line(updated_node, self.patch_id)
+        return updated_node
+
+
+def mark_line(line: cst.SimpleStatementLine, patch_id: str) -> cst.SimpleStatementLine:
+    """Append the patch's marker to a statement line's trailing comment (kept if present)."""
+    old = line.trailing_whitespace.comment
+    text = h.marker_text(patch_id) if old is None else f"{old.value}  {h.marker_text(patch_id)}"
+    return line.with_changes(
+        trailing_whitespace=cst.TrailingWhitespace(
+            whitespace=cst.SimpleWhitespace("  "), comment=cst.Comment(text)
+        )
+    )
+
+

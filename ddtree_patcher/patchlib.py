@@ -1,0 +1,122 @@
+"""The patch model: a patch is data plus small libcst transformers.
+
+A :class:`Patch` names the files it rewrites. For each file it lists *variants*, each keyed
+by the code shape it recognises (the ``cst`` shape hash of every function it touches, see
+vllm-landscape.md §0) and by its anchors: a matcher for the unfixed code, a matcher for the
+upstream fix, and the transformer that rewrites the anchor. The version of vLLM is never
+consulted: selection is by shape. The engine (``ddtree_patcher.engine``) knows nothing about
+any particular patch.
+
+Per-file findings, in the order they are decided:
+
+* ``applied``        every site of a variant carries this patch's marker comment;
+* ``upstream``       the upstream fix's marker matches (and nothing is left to do);
+* ``not-applicable`` the code the patch targets does not exist in this release;
+* ``pending``        every unfixed anchor matches exactly as often as expected;
+* ``unsupported``    no variant recognises the file: the reason names file, function, anchor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+import importlib
+from typing import Any, Callable, Mapping
+
+APPLIED = "applied"
+PENDING = "pending"
+UPSTREAM = "upstream"
+NOT_APPLICABLE = "not-applicable"
+DRIFTED = "drifted"
+UNSUPPORTED = "unsupported"
+LOST = "lost"
+STATUSES = (APPLIED, PENDING, UPSTREAM, NOT_APPLICABLE, DRIFTED, UNSUPPORTED, LOST)
+
+
+class _Lazy:
+    """A module imported on first use: libcst (and its matchers, ~0.7 s to import) is only
+    needed when a file must be parsed, not for hash-only checks such as ``verify``."""
+
+    def __init__(self, name: str):
+        self._name = name
+        self._module = None
+
+    def __getattr__(self, attr: str) -> Any:
+        if self._module is None:
+            self._module = importlib.import_module(self._name)
+        return getattr(self._module, attr)
+
+
+cst = _Lazy("libcst")
+m = _Lazy("libcst.matchers")
+
+Matcher = Callable[[], Any]  # a function returning a libcst matcher (built lazily, see _Lazy)
+
+
+@dataclass(frozen=True)
+class Site:
+    """One rewrite inside one function of a target file."""
+
+    function: str  # qualified name inside the file: "Class.method" or "function"
+    anchor: str  # the unfixed anchor, in words (used in refusals)
+    unfixed: Matcher  # counted inside the function; must match ``expect`` times
+    rewrite: Callable[[str], Any]  # patch id -> a CountingTransformer (see examine.py)
+    fixed: Matcher | None = None  # upstream's fix; a match means "upstream"
+    # False when the code the patch targets is absent from this function (e.g. no DFlash branch).
+    applies: Callable[[Any, Any], bool] | None = None  # (module, function node) -> bool
+    expect: int = 1
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    verified_on: tuple[str, ...]  # releases the variant was verified on (a hint, never a selector)
+    sites: tuple[Site, ...]
+    # qualified function name -> the pristine shape hashes this variant was verified on
+    shapes: Mapping[str, frozenset[str]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PatchFile:
+    path: str  # relative to the directory that holds the ``vllm`` package, e.g. "vllm/v1/..."
+    variants: tuple[Variant, ...]
+    # the file may be missing from a release (then: not-applicable); otherwise missing = unsupported
+    optional: bool = False
+
+
+@dataclass(frozen=True)
+class Patch:
+    id: str
+    summary: str
+    kind: str  # "fix" | "hook"
+    upstream: tuple[str, ...]  # upstream references ("vllm-project/vllm#40727")
+    files: tuple[PatchFile, ...]
+    # files whose absence means the patched feature does not exist in this release at all
+    requires: tuple[str, ...] = ()
+    doc: str = ""
+
+    @property
+    def marker(self) -> str:
+        return f"# ddtree-patch: {self.id}"
+
+
+@dataclass(frozen=True)
+class Finding:
+    status: str
+    reason: str
+    variant: str | None = None
+    untested: bool = False  # pending on a shape no variant was verified on (anchors still match)
+    pending_sites: tuple[Site, ...] = ()
+
+
+
+
+def replace_and_mark(matcher: Matcher, replace: Callable[[Any], Any]) -> Callable[[str], Any]:
+    """A ``Site.rewrite`` for the common case: replace every node matching ``matcher()`` with
+    ``replace(node)`` and put the patch's marker comment at the end of each changed line."""
+
+    def make(patch_id: str):
+        from ddtree_patcher.examine import ReplaceAndMark
+
+        return ReplaceAndMark(patch_id, matcher(), replace)
+
+    return make
