@@ -47,6 +47,13 @@ def _fx(x: torch.Tensor) -> torch.Tensor:
     return (x * FIXED_POINT_SCALE).to(torch.int64)
 
 
+def _fx_scalar(x: float) -> int:
+    """Same as :func:`_fx` for one Python float (fp64 arithmetic, truncation)."""
+    if not x > 0:  # NaN, zero, negative
+        return 0
+    return int(min(x, 1.0) * FIXED_POINT_SCALE)
+
+
 def _race(p: torch.Tensor, inv: torch.Tensor, excluded: Sequence[int]) -> int:
     """Exponential race over one row; returns -1 when no token has positive mass."""
     p = p.to(torch.float32)
@@ -215,12 +222,11 @@ def _walk_target_only(r, row0, tok, children, probs, coins, noise, W, vocab, out
                 continue
             seen.add(t)
             kids.append(c)
-        u = int(_fx(coins[row0 + cur : row0 + cur + 1])[0])
+        u = _fx_scalar(float(coins[row0 + cur]))
         S, nxt = 0, -1
         for c in kids:
             t = tok[c - 1]
-            e = p[t : t + 1] if t < vocab else torch.zeros(1, dtype=p.dtype)
-            S += int(_fx(e)[0])
+            S += _fx_scalar(float(p[t])) if t < vocab else 0
             if S > u:
                 nxt = c
                 break
