@@ -1,0 +1,6 @@
+"""Patch modules, one per patch. ``SERIES`` is the order in which they are applied
+(quilt's ``series`` written as a tuple): a later patch sees the earlier ones' output."""
+
+from ddtree_patcher.patches import dflash_layer_offset, dflash_prefix_cache_drop
+
+SERIES = (dflash_layer_offset.PATCH, dflash_prefix_cache_drop.PATCH)
