@@ -90,7 +90,7 @@ def tree_verify_ref(
     generator: Optional[torch.Generator] = None,
     block_v: int = 0,
     block_n: Optional[int] = None,
-    num_warps: int = 4,
+    num_warps: Optional[int] = None,
 ):
     """Reference tree verification; see :func:`ddtree_patcher.kernels.tree_verify`.
 

@@ -39,6 +39,8 @@ PLACEHOLDER_TOKEN_ID = tl.constexpr(-1)
 # PyTorch reference does the same arithmetic and matches bit for bit.
 FIXED_POINT_SCALE = tl.constexpr(4503599627370496.0)  # 2**52
 DEFAULT_BLOCK_V = 4096
+# Philox-4x32 rounds for the in-kernel final-token noise (Triton's default is 10).
+PHILOX_ROUNDS = tl.constexpr(10)
 DUP_CHUNK = 16
 
 
@@ -243,6 +245,34 @@ def tree_verify_walk_kernel(
     tl.store(num_accepted_ptr + req_idx, depth)
 
 
+@triton.jit
+def _race_quarter(prow, nrow, start, qi, rbits, ctok, vocab_size, HAS_NOISE: tl.constexpr):
+    """Best (score, id) of p(v) * inv_exp(v) over ids start + qi, children excluded."""
+    voffs = start + qi
+    vmask = voffs < vocab_size
+    p = tl.load(prow + voffs, mask=vmask, other=0.0).to(tl.float32)
+    if HAS_NOISE:
+        inv = tl.load(nrow + voffs, mask=vmask, other=0.0)
+    else:
+        u = tl.random.uint_to_uniform_float(rbits)  # [0, 1)
+        # E = -log(1 - u) ~ Exp(1); a series near 0, where the race is decided.
+        e_small = u * (1.0 + u * (0.5 + u * (0.3333333333 + u * 0.25)))
+        expo = tl.where(u < 0.0078125, e_small, -tl.log(1.0 - u))
+        inv = 1.0 / expo
+    # NOTE: masked lanes, p <= 0 (top-k/top-p) and NaN get -inf so they never win.
+    s = tl.where(vmask & (p > 0), p * inv, float("-inf"))
+    m, idx = tl.max(s, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    gid = start + idx
+    go = (tl.max((ctok == gid).to(tl.int32), axis=0) > 0) & (m > float("-inf"))
+    # Remove excluded children one by one (usually zero or one iteration).
+    while go:
+        s = tl.where(voffs == gid, float("-inf"), s)
+        m, idx = tl.max(s, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        gid = start + idx
+        go = (tl.max((ctok == gid).to(tl.int32), axis=0) > 0) & (m > float("-inf"))
+    return m, gid
+
+
 @triton.jit(do_not_specialize=["width", "vocab_size"])
 def tree_verify_sample_kernel(
     block_max_ptr,  # [batch_size, NUM_VBLOCKS] float32
@@ -288,14 +318,19 @@ def tree_verify_sample_kernel(
         ex = is_node & (tok >= 0) & (par >= 0) & (par < offs) & (par == excl_parent)
         ctok = tl.where(ex, tok, -1)  # excluded token ids (children of the final node)
 
-        voffs = vb * BLOCK_V + tl.arange(0, BLOCK_V)
-        vmask = voffs < vocab_size
+        # One program covers BLOCK_V ids as 4 contiguous quarters of Q = BLOCK_V // 4;
+        # one Philox call yields the 4 uniforms of lane i (one per quarter).
+        Q: tl.constexpr = BLOCK_V // 4
+        qi = tl.arange(0, Q)
+        base = vb * BLOCK_V
         # NOTE: int64 row offset; final_row * V overflows int32.
-        p = tl.load(target_probs_ptr + final_row.to(tl.int64) * vocab_size + voffs,
-                    mask=vmask, other=0.0).to(tl.float32)
+        prow = target_probs_ptr + final_row.to(tl.int64) * vocab_size
         if HAS_NOISE:
-            inv = tl.load(inv_exp_noise_ptr + req_idx.to(tl.int64) * vocab_size + voffs,
-                          mask=vmask, other=0.0)
+            nrow = inv_exp_noise_ptr + req_idx.to(tl.int64) * vocab_size
+            r0 = qi
+            r1 = qi
+            r2 = qi
+            r3 = qi
         else:
             seed = tl.load(seeds_ptr + req_idx).to(tl.int64)
             if HAS_POSITIONS:
@@ -303,24 +338,21 @@ def tree_verify_sample_kernel(
             else:
                 pos = seed * 0
             pos = pos + tl.load(num_accepted_ptr + req_idx).to(tl.int64)
-            u = tl.rand(_final_seed(seed, pos), voffs)  # [0, 1)
-            # E = -log(1 - u) ~ Exp(1); series near 0 where the race is decided.
-            ex_small = u * (1.0 + u * (0.5 + u * (0.3333333333 + u * 0.25)))
-            expo = tl.where(u < 0.0078125, ex_small, -tl.log(1.0 - u))
-            inv = 1.0 / expo
-        # NOTE: masked lanes, p <= 0 (top-k/top-p) and NaN get -inf so they never win.
-        s = tl.where(vmask & (p > 0), p * inv, float("-inf"))
-        m, idx = tl.max(s, axis=0, return_indices=True, return_indices_tie_break_left=True)
-        gid = vb * BLOCK_V + idx
-        hit = tl.max((ctok == gid).to(tl.int32), axis=0) > 0
-        go = hit & (m > float("-inf"))
-        # Remove excluded children one by one (usually zero or one iteration).
-        while go:
-            s = tl.where(voffs == gid, float("-inf"), s)
-            m, idx = tl.max(s, axis=0, return_indices=True, return_indices_tie_break_left=True)
-            gid = vb * BLOCK_V + idx
-            hit = tl.max((ctok == gid).to(tl.int32), axis=0) > 0
-            go = hit & (m > float("-inf"))
+            nrow = prow  # unused
+            r0, r1, r2, r3 = tl.randint4x(_final_seed(seed, pos), vb * Q + qi, PHILOX_ROUNDS)
+        m0, i0 = _race_quarter(prow, nrow, base, qi, r0, ctok, vocab_size, HAS_NOISE)
+        m1, i1 = _race_quarter(prow, nrow, base + Q, qi, r1, ctok, vocab_size, HAS_NOISE)
+        m2, i2 = _race_quarter(prow, nrow, base + 2 * Q, qi, r2, ctok, vocab_size, HAS_NOISE)
+        m3, i3 = _race_quarter(prow, nrow, base + 3 * Q, qi, r3, ctok, vocab_size, HAS_NOISE)
+        # Quarters are in increasing id order: strict '>' keeps the lowest id on ties.
+        m = m0
+        gid = i0
+        gid = tl.where(m1 > m, i1, gid)
+        m = tl.maximum(m, m1)
+        gid = tl.where(m2 > m, i2, gid)
+        m = tl.maximum(m, m2)
+        gid = tl.where(m3 > m, i3, gid)
+        m = tl.maximum(m, m3)
         tl.store(block_max_ptr + req_idx * NUM_VBLOCKS + vb, m)
         tl.store(block_idx_ptr + req_idx * NUM_VBLOCKS + vb, gid)
 
@@ -383,7 +415,7 @@ def tree_verify(
     generator: Optional[torch.Generator] = None,
     block_v: int = DEFAULT_BLOCK_V,
     block_n: Optional[int] = None,
-    num_warps: int = 4,
+    num_warps: Optional[int] = None,
 ):
     """Verify a batch of draft trees; see ``docs/kernel.md``.
 
@@ -469,12 +501,14 @@ def tree_verify(
         HAS_POSITIONS=positions is not None,
         CHECK_DUPLICATES=check_duplicates,
         DUP_CHUNK=DUP_CHUNK,
-        num_warps=num_warps,
+        # Greedy walks are reduction-latency bound: one warp keeps every per-depth
+        # reduction inside a warp (no shared-memory round trip) up to BLOCK_N = 256.
+        num_warps=num_warps or (1 if all_greedy and BLOCK_N <= 256 else 4),
     )
     if all_greedy:
         return out, num_acc, rows
 
-    BLOCK_V = min(int(block_v), max(16, _next_pow2(V)))
+    BLOCK_V = min(int(block_v), max(64, _next_pow2(V)))
     NUM_VBLOCKS = triton.cdiv(V, BLOCK_V)
     block_max = torch.empty((B, NUM_VBLOCKS), dtype=torch.float32, device=dev)
     block_idx = torch.empty((B, NUM_VBLOCKS), dtype=torch.int32, device=dev)
