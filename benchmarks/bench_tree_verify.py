@@ -265,7 +265,7 @@ def correctness(dev, results):
 # ----------------------------------------------------------------------------
 # Benchmark
 # ----------------------------------------------------------------------------
-def bench_config(B, n, V, dev, l2, rs, gen, walk_warps):
+def bench_config(B, n, V, dev, l2, rs, gen, walk_warps, block_vs):
     row = dict(B=B, n=n, V=V, T=B * (n + 1))
     T = B * (n + 1)
     W = n + 1
@@ -320,15 +320,20 @@ def bench_config(B, n, V, dev, l2, rs, gen, walk_warps):
                           noise=1.0 / torch.empty(B, V, device=dev).exponential_()))
     row["sampled_floor_us"] = touched / HBM_PEAK * 1e6
     row["sampled_explicit_floor_us"] = (touched + B * V * 4 + T * 8) / HBM_PEAK * 1e6
-    calls = [lambda s=s: tree_verify(s["tok"], s["par"], s["cu"], target_probs=s["probs"],
-                                     seeds=s["seeds"], positions=s["pos"], width=W,
-                                     max_num_nodes=n) for s in ssets]
-    row["ours_sampled_us"], _ = graph_time(calls, reps_for(row["sampled_floor_us"] * 2 + 5))
-    calls = [lambda s=s: tree_verify(s["tok"], s["par"], s["cu"], target_probs=s["probs"],
-                                     coins=s["coins"], inv_exp_noise=s["noise"], width=W,
-                                     max_num_nodes=n) for s in ssets]
-    row["ours_sampled_explicit_us"], _ = graph_time(
-        calls, reps_for(row["sampled_explicit_floor_us"] * 2 + 5))
+    for bv in block_vs:
+        calls = [lambda s=s: tree_verify(s["tok"], s["par"], s["cu"], target_probs=s["probs"],
+                                         seeds=s["seeds"], positions=s["pos"], width=W,
+                                         max_num_nodes=n, block_v=bv) for s in ssets]
+        row[f"ours_sampled_bv{bv}_us"], _ = graph_time(
+            calls, reps_for(row["sampled_floor_us"] * 2 + 5))
+        calls = [lambda s=s: tree_verify(s["tok"], s["par"], s["cu"], target_probs=s["probs"],
+                                         coins=s["coins"], inv_exp_noise=s["noise"], width=W,
+                                         max_num_nodes=n, block_v=bv) for s in ssets]
+        row[f"ours_sampled_explicit_bv{bv}_us"], _ = graph_time(
+            calls, reps_for(row["sampled_explicit_floor_us"] * 2 + 5))
+    row["ours_sampled_us"] = min(row[f"ours_sampled_bv{bv}_us"] for bv in block_vs)
+    row["ours_sampled_explicit_us"] = min(row[f"ours_sampled_explicit_bv{bv}_us"]
+                                          for bv in block_vs)
     s = ssets[0]
     row["sampled_mean_accepted"] = tree_verify(
         s["tok"], s["par"], s["cu"], target_probs=s["probs"], seeds=s["seeds"], width=W,
@@ -412,8 +417,12 @@ def main():
     ap.add_argument("--nodes", type=int, nargs="*", default=[8, 32, 128])
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--walk-warps", type=int, nargs="*", default=[1, 4])
+    ap.add_argument("--block-v", type=int, nargs="*", default=[4096])
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--skip-checks", action="store_true")
+    ap.add_argument("--vllm-from", default=None,
+                    help="bench.json of an earlier run whose vLLM timings fill the vLLM columns "
+                         "(the vLLM chain kernels do not change between runs of this script)")
     args = ap.parse_args()
 
     dev = torch.device("cuda")
@@ -449,7 +458,7 @@ def main():
         for n in args.nodes:
             t0 = time.time()
             try:
-                row = bench_config(B, n, args.vocab, dev, l2, rs, gen, args.walk_warps)
+                row = bench_config(B, n, args.vocab, dev, l2, rs, gen, args.walk_warps, args.block_v)
             except Exception:  # noqa: BLE001
                 row = dict(B=B, n=n, error=traceback.format_exc()[-1500:])
                 ok = False
@@ -457,6 +466,15 @@ def main():
             results["rows"].append(row)
             log(f"[bench] B={B} n={n}: {json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()})} ({time.time() - t0:.1f}s)")
             torch.cuda.empty_cache()
+    if args.vllm_from and rs is None:
+        prev = json.loads(pathlib.Path(args.vllm_from).read_text())
+        results["vllm_from"] = dict(file=args.vllm_from, vllm=prev.get("vllm"), date=prev.get("date"))
+        results.setdefault("vllm", f"{prev.get('vllm')} (from {pathlib.Path(args.vllm_from).name})")
+        by = {(r["B"], r["n"]): r for r in prev.get("rows", [])}
+        for r in results["rows"]:
+            for k, v in by.get((r["B"], r["n"]), {}).items():
+                if k.startswith("vllm_"):
+                    r[k] = v
     out = os.environ.get("OUT")
     if out:
         pathlib.Path(out, "bench.json").write_text(json.dumps(results, indent=1))

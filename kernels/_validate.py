@@ -104,7 +104,6 @@ def check_inputs(
     if is_greedy is None:
         all_greedy = target_probs is None
         all_sampled = not all_greedy
-        is_greedy = torch.full((B,), all_greedy, dtype=torch.bool, device=dev)
     else:
         all_greedy = all_sampled = False
         if target_probs is None:

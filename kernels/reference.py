@@ -116,7 +116,10 @@ def tree_verify_ref(
     tok_all = draft_token_ids.detach().cpu().to(torch.int64)
     par_all = draft_parent_ids.detach().cpu().to(torch.int64)
     cu = cu_num_draft_tokens.detach().cpu().to(torch.int64)
-    greedy_mask = args.is_greedy.detach().cpu().bool()
+    if args.is_greedy is None:
+        greedy_mask = torch.full((B,), args.all_greedy, dtype=torch.bool)
+    else:
+        greedy_mask = args.is_greedy.detach().cpu().bool()
     if target_argmax is None and target_probs is not None and bool(greedy_mask.any()):
         target_argmax = torch.argmax(target_probs, dim=-1)
     am = target_argmax.detach().cpu().to(torch.int64) if target_argmax is not None else None

@@ -235,7 +235,7 @@ def test_kernel_first_token_and_acceptance_explicit_randomness():
 
 def test_kernel_first_token_in_kernel_philox():
     rows = _target_rows(9, n_rows=6)
-    M = 256
+    M = 200
     t, p, cu, probs = _replicate(SMALL_TOK, SMALL_PAR, rows, M)
     seeds = torch.arange(M, dtype=torch.int64) * 1_000_003 + 17
     out, acc, _ = tree_verify(t, p, cu, target_probs=probs, seeds=seeds,

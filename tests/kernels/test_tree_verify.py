@@ -173,7 +173,7 @@ def test_random_sampled(seed):
                                                             distinct=seed % 2 == 0)
     W = [None, 5][seed % 2]
     out, acc, _ = _both(tok, par, cu, target_probs=probs, coins=coins, inv_exp_noise=noise,
-                        width=W, block_v=16)
+                        width=W)
     assert int(acc.max()) >= 2
     assert int(out.max()) < probs.shape[1]
 
@@ -252,8 +252,8 @@ def test_seeded_path_is_deterministic_and_valid():
     tok, par, cu, am, probs, coins, noise, _ = _rand_inputs(500, 30, 12, 16)
     seeds = torch.arange(30, dtype=torch.int64) * 7919
     pos = torch.arange(30, dtype=torch.int64) + 100
-    a = tree_verify(tok, par, cu, target_probs=probs, seeds=seeds, positions=pos, block_v=16)
-    b = tree_verify(tok, par, cu, target_probs=probs, seeds=seeds, positions=pos, block_v=16)
+    a = tree_verify(tok, par, cu, target_probs=probs, seeds=seeds, positions=pos)
+    b = tree_verify(tok, par, cu, target_probs=probs, seeds=seeds, positions=pos)
     _eq(a, b)
     out, acc, rows = a
     # every emitted token is a valid id with positive probability at its row
@@ -262,7 +262,7 @@ def test_seeded_path_is_deterministic_and_valid():
             row = int(rows[r, d])
             t = int(out[r, d])
             assert 0 <= t < 16 and float(probs[row, t]) > 0
-    c = tree_verify(tok, par, cu, target_probs=probs, seeds=seeds, positions=pos + 1, block_v=16)
+    c = tree_verify(tok, par, cu, target_probs=probs, seeds=seeds, positions=pos + 1)
     assert not torch.equal(a[0], c[0])
 
 
