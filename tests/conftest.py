@@ -32,15 +32,14 @@ def cli():
 
 
 @pytest.fixture(scope="session")
-def matrix_statuses(tmp_path_factory):
-    """{version: {patch id: status}} for every release of the matrix, as a fresh scan sees it."""
-    from ddtree_patcher.engine import Engine, series
-    from ddtree_patcher.target import from_site
+def matrix_scan(tmp_path_factory):
+    """({version: {patch id: status}}, fingerprint entries) for every release, by fresh parses."""
+    import matrix_doc
 
-    out = {}
-    root = tmp_path_factory.mktemp("matrix-scan")
-    for version in vllm_wheels.MATRIX:
-        site = vllm_wheels.lay_out_site(root / version, version, files=patch_files())
-        engine = Engine(from_site(site))
-        out[version] = {r.patch.id: r.status for r in engine.scan(series())}
-    return out
+    return matrix_doc.scan_matrix(tmp_path_factory.mktemp("matrix-scan"))
+
+
+@pytest.fixture(scope="session")
+def matrix_statuses(matrix_scan):
+    """{version: {patch id: status}} for every release of the matrix, as a fresh scan sees it."""
+    return matrix_scan[0]

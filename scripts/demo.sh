@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The main job, end to end, on a real vLLM: download the official vLLM wheel, install it (no
+# dependencies: patching needs none) into a scratch virtual environment, then
+#   ddtree-patch apply -> verify (status table) -> apply again (no-op) -> revert
+# against that environment's interpreter, and check every file against the wheel's RECORD.
+#   usage: bash scripts/demo.sh [VLLM_VERSION]     (default 0.20.0; try 0.33.0 too)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VERSION=${1:-0.20.0}
+PYTHON=${PYTHON:-python3}
+WORK=${DEMO_DIR:-$(mktemp -d /tmp/ddtree-demo.XXXXXX)}
+echo "== scratch environment: $WORK"
+"$PYTHON" -m venv "$WORK/tool"   # ddtree-patch itself
+"$PYTHON" -m venv "$WORK/vllm"   # the vLLM to patch
+"$WORK/tool/bin/pip" install -q --disable-pip-version-check .
+"$WORK/vllm/bin/pip" install -q --disable-pip-version-check --no-deps "vllm==$VERSION"
+T="$WORK/tool/bin/ddtree-patch"
+PY="$WORK/vllm/bin/python"
+step() { echo; echo "== ddtree-patch $*"; "$T" "$@" --python "$PY"; }
+set +e
+step verify;           echo "   exit $?  (6 = something pending)"
+step apply --dry-run;  echo "   exit $?"
+step apply;            echo "   exit $?"
+step verify;           echo "   exit $?  (0 = desired state holds)"
+step apply;            echo "   exit $?  (re-apply: changed: no)"
+step revert;           echo "   exit $?"
+set -e
+echo
+echo "== every file of the vllm wheel matches its RECORD hash again:"
+"$PY" - <<'PY'
+import base64, hashlib, importlib.metadata as md
+dist = md.distribution("vllm")
+bad = 0
+for f in dist.files:
+    if f.hash is None or not str(f).startswith("vllm/"):
+        continue
+    digest = base64.urlsafe_b64encode(hashlib.sha256(f.locate().read_bytes()).digest()).rstrip(b"=").decode()
+    bad += digest != f.hash.value
+print(f"   {sum(1 for f in dist.files if f.hash and str(f).startswith('vllm/'))} files checked, {bad} differ")
+raise SystemExit(1 if bad else 0)
+PY

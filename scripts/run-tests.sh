@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The test command (README): build a fresh virtual environment, install ddtree-patch from this
+# checkout (a real, non-editable install: the tests run the installed console script) and the
+# test requirements, then run the whole suite. Official vLLM wheels are downloaded with pip
+# into $DDTREE_PATCH_CACHE (default ~/.cache/ddtree-patch) on first use and reused afterwards.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+VENV=${DDTREE_TEST_VENV:-.venv-test}
+
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PYTHON" -m venv "$VENV"
+fi
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check -r tests/requirements.txt
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps --force-reinstall .
+
+export CUDA_VISIBLE_DEVICES=""  # the Triton interpreter and vLLM's CPU paths (tests/kernels set TRITON_INTERPRET)
+set +e
+"$VENV/bin/pytest" "$@"
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then
+    echo "run-tests: pytest collected no tests: that is a failure here" >&2
+    exit 1
+fi
+exit "$rc"
