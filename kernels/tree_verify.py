@@ -92,9 +92,9 @@ def _greedy_walk(target_argmax_ptr, tok, par, offs, wo, out_tok, out_row, row0, 
 
 
 @triton.jit
-def _sampled_walk(target_probs_ptr, coins_ptr, seeds_ptr, positions_ptr,
+def _sampled_walk(target_probs_ptr, coins_ptr, seeds_ptr, positions_ptr, scratch_ptr,
                   draft_token_ids_ptr, draft_parent_ids_ptr, tok, par, valid, offs, wo,
-                  out_tok, out_row, req_idx, start_idx, row0, num_nodes, width,
+                  out_tok, out_row, req_idx, start_idx, row0, num_nodes, batch_size, width,
                   vocab_size, BLOCK_N: tl.constexpr, HAS_COINS: tl.constexpr,
                   HAS_POSITIONS: tl.constexpr, CHECK_DUPLICATES: tl.constexpr,
                   DUP_CHUNK: tl.constexpr):
@@ -159,63 +159,19 @@ def _sampled_walk(target_probs_ptr, coins_ptr, seeds_ptr, positions_ptr,
     child = sib & (par == cur) & (capped == 0)
     last = tl.max(tl.where(child & (e > 0), offs, -1), axis=0)
     fallback = tl.where(last >= 0, _pick(tok, offs, last), PLACEHOLDER_TOKEN_ID)
-    excl_parent = tl.where(capped, -1, cur)
-    return out_tok, out_row, depth, cur, excl_parent, fallback
+    tl.store(scratch_ptr + req_idx, row0 + cur)
+    tl.store(scratch_ptr + batch_size + req_idx, tl.where(capped, -1, cur))
+    tl.store(scratch_ptr + 2 * batch_size + req_idx, fallback)
 
-
-@triton.jit
-def _race_quarter(prow, nrow, start, qi, rbits, ctok, vocab_size, HAS_NOISE: tl.constexpr,
-                  FAST_MATH: tl.constexpr):
-    """Best (score, id) of p(v) * inv_exp(v) over ids start + qi, children excluded."""
-    voffs = start + qi
-    vmask = voffs < vocab_size
-    p = tl.load(prow + voffs, mask=vmask, other=0.0).to(tl.float32)
-    if HAS_NOISE:
-        inv = tl.load(nrow + voffs, mask=vmask, other=0.0)
-    else:
-        u = tl.random.uint_to_uniform_float(rbits)  # [0, 1)
-        # E = -log(1 - u) ~ Exp(1); a series near 0, where the race is decided.
-        e_small = u * (1.0 + u * (0.5 + u * (0.3333333333 + u * 0.25)))
-        if FAST_MATH:
-            # lg2.approx (MUFU): the accurate libdevice log made this path compute-bound.
-            lg = tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [1.0 - u],
-                                           dtype=tl.float32, is_pure=True, pack=1)
-            e_big = -0.6931471805599453 * lg
-        else:
-            e_big = -tl.log(1.0 - u)
-        expo = tl.where(u < 0.0078125, e_small, e_big)
-        inv = 1.0 / expo
-    # NOTE: masked lanes, p <= 0 (top-k/top-p) and NaN get -inf so they never win.
-    s = tl.where(vmask & (p > 0), p * inv, float("-inf"))
-    m, idx = tl.max(s, axis=0, return_indices=True, return_indices_tie_break_left=True)
-    gid = start + idx
-    go = (tl.max((ctok == gid).to(tl.int32), axis=0) > 0) & (m > float("-inf"))
-    # Remove excluded children one by one (usually zero or one iteration).
-    while go:
-        s = tl.where(voffs == gid, float("-inf"), s)
-        m, idx = tl.max(s, axis=0, return_indices=True, return_indices_tie_break_left=True)
-        gid = start + idx
-        go = (tl.max((ctok == gid).to(tl.int32), axis=0) > 0) & (m > float("-inf"))
-    return m, gid
-
-
-
-@triton.jit
-def _pack_key(m, gid):
-    # int64 key ordered by (score, -id): fp32 bits of a score >= 0 are monotone;
-    # -inf (nothing sampleable in this block) maps to -1, below every real key.
-    bits = m.to(tl.int32, bitcast=True).to(tl.int64)
-    key = (bits << 31) | (2147483647 - gid).to(tl.int64)
-    return tl.where(m >= 0, key, -1)
+    return out_tok, out_row, depth
 
 
 @triton.jit(do_not_specialize=["width", "vocab_size"])
-def tree_verify_kernel(
+def tree_verify_walk_kernel(
     output_token_ids_ptr,  # [batch_size, width] int32
     accepted_rows_ptr,  # [batch_size, width] int32
     num_accepted_ptr,  # [batch_size] int32
-    best_key_ptr,  # [batch_size] int64 workspace, -1 between calls (sampled only)
-    ticket_ptr,  # [batch_size] int32 workspace, 0 between calls (sampled only)
+    scratch_ptr,  # [3, batch_size] int32: final row, excluded parent, fallback token
     draft_token_ids_ptr,  # [num_draft_tokens] int32/int64
     draft_parent_ids_ptr,  # [num_draft_tokens] int32/int64 (local parent, 0 = root)
     cu_num_draft_tokens_ptr,  # [batch_size] inclusive cumsum
@@ -223,39 +179,21 @@ def tree_verify_kernel(
     target_probs_ptr,  # [num_tokens, vocab_size] or None (ALL_GREEDY)
     is_greedy_ptr,  # [batch_size] bool or None (ALL_GREEDY / ALL_SAMPLED)
     coins_ptr,  # [num_tokens] float32/float64 or None (HAS_COINS=False)
-    inv_exp_noise_ptr,  # [batch_size, vocab_size] float32 or None (HAS_COINS=False)
     seeds_ptr,  # [batch_size] int64 or None (HAS_COINS=True)
     positions_ptr,  # [batch_size] int64 or None
+    batch_size,
     width,
     vocab_size,
     BLOCK_N: tl.constexpr,
     BLOCK_W: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    NUM_VBLOCKS: tl.constexpr,
     ALL_GREEDY: tl.constexpr,
     ALL_SAMPLED: tl.constexpr,
     HAS_COINS: tl.constexpr,
     HAS_POSITIONS: tl.constexpr,
     CHECK_DUPLICATES: tl.constexpr,
     DUP_CHUNK: tl.constexpr,
-    FAST_MATH: tl.constexpr,
 ):
-    # grid = (batch_size, NUM_VBLOCKS). Every program of a request runs the
-    # (cheap, register-only) walk; for sampled requests each program then races
-    # one BLOCK_V slice of the final node's row, folds its winner into an int64
-    # atomic max, and the last program to finish (ticket) writes the outputs.
-    # One launch, no host sync, no intermediate buffers.
     req_idx = tl.program_id(0)
-    vb = tl.program_id(1)
-    if ALL_GREEDY:
-        greedy = req_idx >= 0
-    elif ALL_SAMPLED:
-        greedy = req_idx < 0
-    else:
-        greedy = tl.load(is_greedy_ptr + req_idx) != 0
-    if greedy & (vb > 0):
-        return
-
     if req_idx == 0:
         start_idx = 0
     else:
@@ -274,103 +212,186 @@ def tree_verify_kernel(
     par = tl.where(valid, par, -1)
 
     wo = tl.arange(0, BLOCK_W)
-    wmask = wo < width
-    obase = req_idx.to(tl.int64) * width
     out_tok = tl.full([BLOCK_W], PLACEHOLDER_TOKEN_ID, tl.int32)
     out_row = tl.where(wo == 0, row0, tl.full([BLOCK_W], PLACEHOLDER_TOKEN_ID, tl.int32))
 
-    if not ALL_SAMPLED:
-        if greedy:
-            g_tok, g_row, g_depth = _greedy_walk(
+    if ALL_GREEDY:
+        out_tok, out_row, depth = _greedy_walk(
+            target_argmax_ptr, tok, par, offs, wo, out_tok, out_row, row0, num_nodes, width,
+            BLOCK_N)
+    elif ALL_SAMPLED:
+        out_tok, out_row, depth = _sampled_walk(
+            target_probs_ptr, coins_ptr, seeds_ptr, positions_ptr, scratch_ptr,
+            draft_token_ids_ptr, draft_parent_ids_ptr, tok, par, valid, offs, wo,
+            out_tok, out_row, req_idx, start_idx, row0, num_nodes, batch_size, width,
+            vocab_size, BLOCK_N, HAS_COINS, HAS_POSITIONS, CHECK_DUPLICATES, DUP_CHUNK)
+    else:
+        depth = row0 * 0
+        if tl.load(is_greedy_ptr + req_idx) != 0:
+            out_tok, out_row, depth = _greedy_walk(
                 target_argmax_ptr, tok, par, offs, wo, out_tok, out_row, row0, num_nodes,
                 width, BLOCK_N)
-            tl.store(output_token_ids_ptr + obase + wo, g_tok, mask=wmask)
-            tl.store(accepted_rows_ptr + obase + wo, g_row, mask=wmask)
-            tl.store(num_accepted_ptr + req_idx, g_depth)
-    if not ALL_GREEDY:
-        if not greedy:
-            out_tok, out_row, depth, cur, excl_parent, fallback = _sampled_walk(
-                target_probs_ptr, coins_ptr, seeds_ptr, positions_ptr,
+        else:
+            out_tok, out_row, depth = _sampled_walk(
+                target_probs_ptr, coins_ptr, seeds_ptr, positions_ptr, scratch_ptr,
                 draft_token_ids_ptr, draft_parent_ids_ptr, tok, par, valid, offs, wo,
-                out_tok, out_row, req_idx, start_idx, row0, num_nodes, width,
+                out_tok, out_row, req_idx, start_idx, row0, num_nodes, batch_size, width,
                 vocab_size, BLOCK_N, HAS_COINS, HAS_POSITIONS, CHECK_DUPLICATES, DUP_CHUNK)
-            # Children of the final node are excluded from the residual (none at the cap).
-            ctok = tl.where(valid & (par == excl_parent), tok, -1)
-            # One program covers BLOCK_V ids as 4 contiguous quarters of Q = BLOCK_V // 4;
-            # one Philox call yields the 4 uniforms of lane i (one per quarter).
-            Q: tl.constexpr = BLOCK_V // 4
-            qi = tl.arange(0, Q)
-            base = vb * BLOCK_V
-            # NOTE: int64 row offset; final_row * V overflows int32.
-            prow = target_probs_ptr + (row0 + cur).to(tl.int64) * vocab_size
-            if HAS_COINS:
-                nrow = inv_exp_noise_ptr + req_idx.to(tl.int64) * vocab_size
-                r0 = qi
-                r1 = qi
-                r2 = qi
-                r3 = qi
+
+    wmask = wo < width
+    obase = req_idx.to(tl.int64) * width
+    tl.store(output_token_ids_ptr + obase + wo, out_tok, mask=wmask)
+    tl.store(accepted_rows_ptr + obase + wo, out_row, mask=wmask)
+    tl.store(num_accepted_ptr + req_idx, depth)
+
+
+@triton.jit
+def _race_quarter(prow, nrow, start, qi, rbits, ctok, vocab_size, HAS_NOISE: tl.constexpr):
+    """Best (score, id) of p(v) * inv_exp(v) over ids start + qi, children excluded."""
+    voffs = start + qi
+    vmask = voffs < vocab_size
+    p = tl.load(prow + voffs, mask=vmask, other=0.0).to(tl.float32)
+    if HAS_NOISE:
+        inv = tl.load(nrow + voffs, mask=vmask, other=0.0)
+    else:
+        u = tl.random.uint_to_uniform_float(rbits)  # [0, 1)
+        # E = -log(1 - u) ~ Exp(1); a series near 0, where the race is decided.
+        e_small = u * (1.0 + u * (0.5 + u * (0.3333333333 + u * 0.25)))
+        expo = tl.where(u < 0.0078125, e_small, -tl.log(1.0 - u))
+        inv = 1.0 / expo
+    # NOTE: masked lanes, p <= 0 (top-k/top-p) and NaN get -inf so they never win.
+    s = tl.where(vmask & (p > 0), p * inv, float("-inf"))
+    m, idx = tl.max(s, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    gid = start + idx
+    go = (tl.max((ctok == gid).to(tl.int32), axis=0) > 0) & (m > float("-inf"))
+    # Remove excluded children one by one (usually zero or one iteration).
+    while go:
+        s = tl.where(voffs == gid, float("-inf"), s)
+        m, idx = tl.max(s, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        gid = start + idx
+        go = (tl.max((ctok == gid).to(tl.int32), axis=0) > 0) & (m > float("-inf"))
+    return m, gid
+
+
+@triton.jit(do_not_specialize=["width", "vocab_size"])
+def tree_verify_sample_kernel(
+    block_max_ptr,  # [batch_size, NUM_VBLOCKS] float32
+    block_idx_ptr,  # [batch_size, NUM_VBLOCKS] int32
+    scratch_ptr,  # [3, batch_size] int32 (from the walk)
+    num_accepted_ptr,  # [batch_size] int32 (from the walk)
+    draft_token_ids_ptr,  # [num_draft_tokens]
+    draft_parent_ids_ptr,  # [num_draft_tokens]
+    cu_num_draft_tokens_ptr,  # [batch_size]
+    target_probs_ptr,  # [num_tokens, vocab_size]
+    is_greedy_ptr,  # [batch_size] bool or None (ALL_SAMPLED)
+    inv_exp_noise_ptr,  # [batch_size, vocab_size] float32 or None (HAS_NOISE=False)
+    seeds_ptr,  # [batch_size] int64 or None
+    positions_ptr,  # [batch_size] int64 or None
+    batch_size,
+    width,
+    vocab_size,
+    NUM_VBLOCKS: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ALL_SAMPLED: tl.constexpr,
+    HAS_NOISE: tl.constexpr,
+    HAS_POSITIONS: tl.constexpr,
+):
+    req_idx = tl.program_id(0)
+    vb = tl.program_id(1)
+    if ALL_SAMPLED:
+        run = req_idx >= 0
+    else:
+        run = tl.load(is_greedy_ptr + req_idx) == 0
+    if run:
+        final_row = tl.load(scratch_ptr + req_idx)
+        excl_parent = tl.load(scratch_ptr + batch_size + req_idx)
+        if req_idx == 0:
+            start_idx = 0
+        else:
+            start_idx = tl.load(cu_num_draft_tokens_ptr + req_idx - 1).to(tl.int32)
+        num_nodes = tl.load(cu_num_draft_tokens_ptr + req_idx).to(tl.int32) - start_idx
+        offs = tl.arange(0, BLOCK_N)
+        is_node = (offs >= 1) & (offs <= num_nodes)
+        tok = tl.load(draft_token_ids_ptr + start_idx + offs - 1, mask=is_node, other=-1).to(tl.int32)
+        par = tl.load(draft_parent_ids_ptr + start_idx + offs - 1, mask=is_node, other=-1).to(tl.int32)
+        ex = is_node & (tok >= 0) & (par >= 0) & (par < offs) & (par == excl_parent)
+        ctok = tl.where(ex, tok, -1)  # excluded token ids (children of the final node)
+
+        # One program covers BLOCK_V ids as 4 contiguous quarters of Q = BLOCK_V // 4;
+        # one Philox call yields the 4 uniforms of lane i (one per quarter).
+        Q: tl.constexpr = BLOCK_V // 4
+        qi = tl.arange(0, Q)
+        base = vb * BLOCK_V
+        # NOTE: int64 row offset; final_row * V overflows int32.
+        prow = target_probs_ptr + final_row.to(tl.int64) * vocab_size
+        if HAS_NOISE:
+            nrow = inv_exp_noise_ptr + req_idx.to(tl.int64) * vocab_size
+            r0 = qi
+            r1 = qi
+            r2 = qi
+            r3 = qi
+        else:
+            seed = tl.load(seeds_ptr + req_idx).to(tl.int64)
+            if HAS_POSITIONS:
+                pos = tl.load(positions_ptr + req_idx).to(tl.int64)
             else:
-                seed = tl.load(seeds_ptr + req_idx).to(tl.int64)
-                if HAS_POSITIONS:
-                    pos = tl.load(positions_ptr + req_idx).to(tl.int64)
-                else:
-                    pos = seed * 0
-                nrow = prow  # unused
-                r0, r1, r2, r3 = tl.randint4x(_final_seed(seed, pos + depth), vb * Q + qi,
-                                              PHILOX_ROUNDS)
-            m0, i0 = _race_quarter(prow, nrow, base, qi, r0, ctok, vocab_size, HAS_COINS, FAST_MATH)
-            m1, i1 = _race_quarter(prow, nrow, base + Q, qi, r1, ctok, vocab_size, HAS_COINS,
-                                   FAST_MATH)
-            m2, i2 = _race_quarter(prow, nrow, base + 2 * Q, qi, r2, ctok, vocab_size, HAS_COINS,
-                                   FAST_MATH)
-            m3, i3 = _race_quarter(prow, nrow, base + 3 * Q, qi, r3, ctok, vocab_size, HAS_COINS,
-                                   FAST_MATH)
-            key = tl.maximum(tl.maximum(_pack_key(m0, i0), _pack_key(m1, i1)),
-                             tl.maximum(_pack_key(m2, i2), _pack_key(m3, i3)))
-            if NUM_VBLOCKS == 1:
-                best = key
-                last = vb == 0
-            else:
-                # NOTE: acq_rel atomics order this block's max before its ticket; the
-                # last ticket holder sees every block's key. Both words are reset for
-                # the next call (the workspace persists, CUDA-graph friendly).
-                tl.atomic_max(best_key_ptr + req_idx, key, sem="acq_rel")
-                ticket = tl.atomic_add(ticket_ptr + req_idx, 1, sem="acq_rel")
-                last = ticket == NUM_VBLOCKS - 1
-                best = key
-                if last:
-                    best = tl.atomic_xchg(best_key_ptr + req_idx, -1, sem="acq_rel")
-                    tl.atomic_xchg(ticket_ptr + req_idx, 0, sem="acq_rel")
-            if last:
-                win = (2147483647 - (best & 2147483647)).to(tl.int32)
-                # Zero-mass residual guard (spec §3.4): the last child with p > 0.
-                final_tok = tl.where(best >= 0, win, fallback)
-                out_tok = tl.where(wo == depth, final_tok, out_tok)
-                tl.store(output_token_ids_ptr + obase + wo, out_tok, mask=wmask)
-                tl.store(accepted_rows_ptr + obase + wo, out_row, mask=wmask)
-                tl.store(num_accepted_ptr + req_idx, depth)
+                pos = seed * 0
+            pos = pos + tl.load(num_accepted_ptr + req_idx).to(tl.int64)
+            nrow = prow  # unused
+            r0, r1, r2, r3 = tl.randint4x(_final_seed(seed, pos), vb * Q + qi, PHILOX_ROUNDS)
+        m0, i0 = _race_quarter(prow, nrow, base, qi, r0, ctok, vocab_size, HAS_NOISE)
+        m1, i1 = _race_quarter(prow, nrow, base + Q, qi, r1, ctok, vocab_size, HAS_NOISE)
+        m2, i2 = _race_quarter(prow, nrow, base + 2 * Q, qi, r2, ctok, vocab_size, HAS_NOISE)
+        m3, i3 = _race_quarter(prow, nrow, base + 3 * Q, qi, r3, ctok, vocab_size, HAS_NOISE)
+        # Quarters are in increasing id order: strict '>' keeps the lowest id on ties.
+        m = m0
+        gid = i0
+        gid = tl.where(m1 > m, i1, gid)
+        m = tl.maximum(m, m1)
+        gid = tl.where(m2 > m, i2, gid)
+        m = tl.maximum(m, m2)
+        gid = tl.where(m3 > m, i3, gid)
+        m = tl.maximum(m, m3)
+        tl.store(block_max_ptr + req_idx * NUM_VBLOCKS + vb, m)
+        tl.store(block_idx_ptr + req_idx * NUM_VBLOCKS + vb, gid)
+
+
+@triton.jit(do_not_specialize=["width"])
+def tree_verify_reduce_kernel(
+    output_token_ids_ptr,  # [batch_size, width] int32
+    block_max_ptr,  # [batch_size, NUM_VBLOCKS] float32
+    block_idx_ptr,  # [batch_size, NUM_VBLOCKS] int32
+    scratch_ptr,  # [3, batch_size] int32
+    num_accepted_ptr,  # [batch_size] int32
+    is_greedy_ptr,  # [batch_size] bool or None (ALL_SAMPLED)
+    batch_size,
+    width,
+    NUM_VBLOCKS: tl.constexpr,
+    BLOCK_VB: tl.constexpr,
+    ALL_SAMPLED: tl.constexpr,
+):
+    req_idx = tl.program_id(0)
+    if ALL_SAMPLED:
+        run = req_idx >= 0
+    else:
+        run = tl.load(is_greedy_ptr + req_idx) == 0
+    if run:
+        b = tl.arange(0, BLOCK_VB)
+        bm = b < NUM_VBLOCKS
+        m = tl.load(block_max_ptr + req_idx * NUM_VBLOCKS + b, mask=bm, other=float("-inf"))
+        ids = tl.load(block_idx_ptr + req_idx * NUM_VBLOCKS + b, mask=bm, other=0)
+        best, where_ = tl.max(m, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        tok = _pick(ids, b, where_)
+        # Zero-mass residual guard (spec §3.4): the last child with p > 0.
+        fallback = tl.load(scratch_ptr + 2 * batch_size + req_idx)
+        tok = tl.where(best > float("-inf"), tok, fallback)
+        a = tl.load(num_accepted_ptr + req_idx)
+        tl.store(output_token_ids_ptr + req_idx.to(tl.int64) * width + a, tok)
 
 
 def _next_pow2(x: int) -> int:
     return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
-
-
-_WORKSPACE: dict = {}
-
-
-def _workspace(dev: torch.device, B: int):
-    """Per-(device, stream) int64 best-key and int32 ticket words, kept at -1 / 0
-    between calls by the kernel itself. Concurrent calls on one stream serialise;
-    two streams get separate workspaces."""
-    sid = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
-    k = (str(dev), sid)
-    ws = _WORKSPACE.get(k)
-    if ws is None or ws[0].numel() < B:
-        n = max(B, 256)
-        ws = (torch.full((n,), -1, dtype=torch.int64, device=dev),
-              torch.zeros((n,), dtype=torch.int32, device=dev))
-        _WORKSPACE[k] = ws
-    return ws
 
 
 def tree_verify(
@@ -396,7 +417,7 @@ def tree_verify(
     block_n: Optional[int] = None,
     num_warps: Optional[int] = None,
 ):
-    """Verify a batch of draft trees in one kernel launch; see ``docs/kernel.md``.
+    """Verify a batch of draft trees; see ``docs/kernel.md``.
 
     Returns ``(output_token_ids [B, W] int32, num_accepted [B] int32,
     accepted_rows [B, W] int32)``.
@@ -453,24 +474,13 @@ def tree_verify(
     if BLOCK_N < args.max_num_nodes + 1:
         raise ValueError(f"tree_verify: argument `block_n`={BLOCK_N} must be > max_num_nodes")
     BLOCK_W = max(2, _next_pow2(W))
-    if all_greedy:
-        BLOCK_V, NUM_VBLOCKS = 64, 1
-        best, ticket = out, out  # unused
-        # Greedy walks are reduction-latency bound: one warp keeps every per-depth
-        # reduction inside a warp (no shared-memory round trip) up to BLOCK_N = 256.
-        warps = num_warps or (1 if BLOCK_N <= 256 else 4)
-    else:
-        BLOCK_V = min(int(block_v), max(64, _next_pow2(V)))
-        NUM_VBLOCKS = triton.cdiv(V, BLOCK_V)
-        best, ticket = _workspace(dev, B)
-        warps = num_warps or (8 if BLOCK_V >= 4096 else 4)
+    scratch = torch.empty((3, B), dtype=torch.int32, device=dev)
 
-    tree_verify_kernel[(B, NUM_VBLOCKS)](
+    tree_verify_walk_kernel[(B,)](
         out,
         rows,
         num_acc,
-        best,
-        ticket,
+        scratch,
         draft_token_ids,
         draft_parent_ids,
         cu_num_draft_tokens,
@@ -478,22 +488,66 @@ def tree_verify(
         target_probs,
         is_greedy if not (all_greedy or all_sampled) else None,
         coins,
-        inv_exp_noise,
         seeds,
         positions,
+        B,
         W,
         V,
         BLOCK_N=BLOCK_N,
         BLOCK_W=BLOCK_W,
-        BLOCK_V=BLOCK_V,
-        NUM_VBLOCKS=NUM_VBLOCKS,
         ALL_GREEDY=all_greedy,
         ALL_SAMPLED=all_sampled,
         HAS_COINS=has_coins,
         HAS_POSITIONS=positions is not None,
         CHECK_DUPLICATES=check_duplicates,
         DUP_CHUNK=DUP_CHUNK,
-        FAST_MATH=dev.type == "cuda",
-        num_warps=warps,
+        # Greedy walks are reduction-latency bound: one warp keeps every per-depth
+        # reduction inside a warp (no shared-memory round trip) up to BLOCK_N = 256.
+        num_warps=num_warps or (1 if all_greedy and BLOCK_N <= 256 else 4),
+    )
+    if all_greedy:
+        return out, num_acc, rows
+
+    BLOCK_V = min(int(block_v), max(64, _next_pow2(V)))
+    NUM_VBLOCKS = triton.cdiv(V, BLOCK_V)
+    block_max = torch.empty((B, NUM_VBLOCKS), dtype=torch.float32, device=dev)
+    block_idx = torch.empty((B, NUM_VBLOCKS), dtype=torch.int32, device=dev)
+    tree_verify_sample_kernel[(B, NUM_VBLOCKS)](
+        block_max,
+        block_idx,
+        scratch,
+        num_acc,
+        draft_token_ids,
+        draft_parent_ids,
+        cu_num_draft_tokens,
+        target_probs,
+        is_greedy if not all_sampled else None,
+        inv_exp_noise,
+        seeds,
+        positions,
+        B,
+        W,
+        V,
+        NUM_VBLOCKS=NUM_VBLOCKS,
+        BLOCK_V=BLOCK_V,
+        BLOCK_N=BLOCK_N,
+        ALL_SAMPLED=all_sampled,
+        HAS_NOISE=inv_exp_noise is not None,
+        HAS_POSITIONS=positions is not None,
+        num_warps=8 if BLOCK_V >= 4096 else 4,
+    )
+    tree_verify_reduce_kernel[(B,)](
+        out,
+        block_max,
+        block_idx,
+        scratch,
+        num_acc,
+        is_greedy if not all_sampled else None,
+        B,
+        W,
+        NUM_VBLOCKS=NUM_VBLOCKS,
+        BLOCK_VB=max(2, _next_pow2(NUM_VBLOCKS)),
+        ALL_SAMPLED=all_sampled,
+        num_warps=1 if NUM_VBLOCKS <= 64 else 4,
     )
     return out, num_acc, rows

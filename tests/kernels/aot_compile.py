@@ -40,50 +40,64 @@ def _sig(fn, types, consts):
     return sig
 
 
-PTRS = dict(
+WALK_PTRS = dict(
     output_token_ids_ptr="*i32", accepted_rows_ptr="*i32", num_accepted_ptr="*i32",
-    best_key_ptr="*i64", ticket_ptr="*i32", draft_token_ids_ptr="*i32",
-    draft_parent_ids_ptr="*i32", cu_num_draft_tokens_ptr="*i32", target_argmax_ptr="*i64",
-    target_probs_ptr="*fp32", is_greedy_ptr="*i1", coins_ptr="*fp64", inv_exp_noise_ptr="*fp32",
-    seeds_ptr="*i64", positions_ptr="*i64", width="i32", vocab_size="i32",
+    scratch_ptr="*i32", draft_token_ids_ptr="*i32", draft_parent_ids_ptr="*i32",
+    cu_num_draft_tokens_ptr="*i32", target_argmax_ptr="*i64", target_probs_ptr="*fp32",
+    is_greedy_ptr="*i1", coins_ptr="*fp64", seeds_ptr="*i64", positions_ptr="*i64",
+    batch_size="i32", width="i32", vocab_size="i32",
+)
+SAMPLE_PTRS = dict(
+    block_max_ptr="*fp32", block_idx_ptr="*i32", scratch_ptr="*i32", num_accepted_ptr="*i32",
+    draft_token_ids_ptr="*i32", draft_parent_ids_ptr="*i32", cu_num_draft_tokens_ptr="*i32",
+    target_probs_ptr="*fp32", is_greedy_ptr="*i1", inv_exp_noise_ptr="*fp32",
+    seeds_ptr="*i64", positions_ptr="*i64", batch_size="i32", width="i32", vocab_size="i32",
+)
+REDUCE_PTRS = dict(
+    output_token_ids_ptr="*i32", block_max_ptr="*fp32", block_idx_ptr="*i32", scratch_ptr="*i32",
+    num_accepted_ptr="*i32", is_greedy_ptr="*i1", batch_size="i32", width="i32",
 )
 
 
 def variants():
-    common = dict(DUP_CHUNK=K.DUP_CHUNK, FAST_MATH=True, BLOCK_W=16)
     for block_n in (16, 1024):
-        yield "all-greedy", dict(
-            target_probs_ptr=None, is_greedy_ptr=None, coins_ptr=None, inv_exp_noise_ptr=None,
-            seeds_ptr=None, positions_ptr=None, BLOCK_N=block_n, BLOCK_V=64, NUM_VBLOCKS=1,
-            ALL_GREEDY=True, ALL_SAMPLED=False, HAS_COINS=False, HAS_POSITIONS=False,
-            CHECK_DUPLICATES=True, **common), block_n
-        yield "all-sampled explicit", dict(
+        yield "walk all-greedy", K.tree_verify_walk_kernel, WALK_PTRS, dict(
+            target_probs_ptr=None, is_greedy_ptr=None, coins_ptr=None, seeds_ptr=None,
+            positions_ptr=None, BLOCK_N=block_n, BLOCK_W=16, ALL_GREEDY=True, ALL_SAMPLED=False,
+            HAS_COINS=False, HAS_POSITIONS=False, CHECK_DUPLICATES=True, DUP_CHUNK=K.DUP_CHUNK), block_n
+        yield "walk sampled+coins", K.tree_verify_walk_kernel, WALK_PTRS, dict(
             target_argmax_ptr=None, is_greedy_ptr=None, seeds_ptr=None, positions_ptr=None,
-            BLOCK_N=block_n, BLOCK_V=4096, NUM_VBLOCKS=38, ALL_GREEDY=False, ALL_SAMPLED=True,
-            HAS_COINS=True, HAS_POSITIONS=False, CHECK_DUPLICATES=True, **common), block_n
-        yield "all-sampled philox", dict(
-            target_argmax_ptr=None, is_greedy_ptr=None, coins_ptr=None, inv_exp_noise_ptr=None,
-            BLOCK_N=block_n, BLOCK_V=4096, NUM_VBLOCKS=38, ALL_GREEDY=False, ALL_SAMPLED=True,
-            HAS_COINS=False, HAS_POSITIONS=True, CHECK_DUPLICATES=True, **common), block_n
-        yield "mixed philox nodup 1 block", dict(
-            coins_ptr=None, inv_exp_noise_ptr=None, BLOCK_N=block_n, BLOCK_V=1024,
-            NUM_VBLOCKS=1, ALL_GREEDY=False, ALL_SAMPLED=False, HAS_COINS=False,
-            HAS_POSITIONS=False, CHECK_DUPLICATES=False, **common), block_n
-    yield "mixed explicit", dict(
-        seeds_ptr=None, positions_ptr=None, BLOCK_N=64, BLOCK_V=4096, NUM_VBLOCKS=38,
-        ALL_GREEDY=False, ALL_SAMPLED=False, HAS_COINS=True, HAS_POSITIONS=False,
-        CHECK_DUPLICATES=True, **common), 64
+            BLOCK_N=block_n, BLOCK_W=16, ALL_GREEDY=False, ALL_SAMPLED=True, HAS_COINS=True,
+            HAS_POSITIONS=False, CHECK_DUPLICATES=True, DUP_CHUNK=K.DUP_CHUNK), block_n
+        yield "walk mixed+philox", K.tree_verify_walk_kernel, WALK_PTRS, dict(
+            coins_ptr=None, BLOCK_N=block_n, BLOCK_W=16, ALL_GREEDY=False, ALL_SAMPLED=False,
+            HAS_COINS=False, HAS_POSITIONS=True, CHECK_DUPLICATES=False, DUP_CHUNK=K.DUP_CHUNK), block_n
+    for noise in (True, False):
+        yield f"sample noise={noise}", K.tree_verify_sample_kernel, SAMPLE_PTRS, dict(
+            is_greedy_ptr=None, inv_exp_noise_ptr=None if not noise else "keep",
+            seeds_ptr=None if noise else "keep", positions_ptr=None if noise else "keep",
+            NUM_VBLOCKS=38, BLOCK_V=4096, BLOCK_N=64, ALL_SAMPLED=True, HAS_NOISE=noise,
+            HAS_POSITIONS=not noise), 64
+        yield f"sample mixed noise={noise}", K.tree_verify_sample_kernel, SAMPLE_PTRS, dict(
+            inv_exp_noise_ptr=None if not noise else "keep",
+            seeds_ptr=None if noise else "keep", positions_ptr="keep" if not noise else None,
+            NUM_VBLOCKS=38, BLOCK_V=4096, BLOCK_N=1024, ALL_SAMPLED=False, HAS_NOISE=noise,
+            HAS_POSITIONS=not noise), 1024
+    yield "reduce", K.tree_verify_reduce_kernel, REDUCE_PTRS, dict(
+        is_greedy_ptr=None, NUM_VBLOCKS=38, BLOCK_VB=64, ALL_SAMPLED=True), 0
+    yield "reduce mixed", K.tree_verify_reduce_kernel, REDUCE_PTRS, dict(
+        NUM_VBLOCKS=38, BLOCK_VB=64, ALL_SAMPLED=False), 0
 
 
 def main(archs):
     n = 0
     for arch in archs:
-        for name, consts, _ in variants():
-            fn = K.tree_verify_kernel
-            src = ASTSource(fn=fn, signature=_sig(fn, PTRS, consts), constexprs=consts)
+        for name, fn, types, consts, _ in variants():
+            consts = {k: v for k, v in consts.items() if v != "keep"}
+            src = ASTSource(fn=fn, signature=_sig(fn, types, consts), constexprs=consts)
             k = triton.compile(src, target=GPUTarget("cuda", arch, 32))
             assert k.asm.get("cubin"), name
-            print(f"sm_{arch} {name}: cubin {len(k.asm['cubin'])} B, shared {k.metadata.shared}, regs {getattr(k, 'n_regs', '?')}, spills {getattr(k, 'n_spills', '?')}")
+            print(f"sm_{arch} {name}: cubin {len(k.asm['cubin'])} B, shared {k.metadata.shared}")
             n += 1
     print(f"AOT OK: {n} variants")
 

@@ -180,7 +180,7 @@ def test_random_sampled(seed):
 
 @pytest.mark.parametrize("seed", range(2))
 def test_random_mixed_greedy_sampled(seed):
-    tok, par, cu, am, probs, coins, noise, is_greedy = _rand_inputs(200 + seed, 150, 16, 20)
+    tok, par, cu, am, probs, coins, noise, is_greedy = _rand_inputs(200 + seed, 100, 16, 20)
     _both(tok, par, cu, target_argmax=am, target_probs=probs, is_greedy=is_greedy,
           coins=coins, inv_exp_noise=noise, width=[None, 6][seed])
 
