@@ -1,0 +1,223 @@
+"""dflash-prefix-cache-drop on the real releases: where it is pending, what it changes, and what
+the patched scheduler does with a prefix-cache hit (a real Scheduler/KVCacheManager on CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import libcst as cst
+import pytest
+
+import vllm_wheels
+from helpers import statuses, tree_bytes
+from ddtree_patcher import cst_helpers as h
+from ddtree_patcher.engine import series
+from ddtree_patcher.examine import examine
+from ddtree_patcher.patches import dflash_prefix_cache_drop as P
+from ddtree_patcher.state import sha256
+from ddtree_patcher.target import read_record
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE / "prefix_cache"))
+from overlay import overlay_site  # noqa: E402
+
+ID = P.ID
+MARK = P.MARK
+MATRIX = vllm_wheels.MATRIX
+NOT_APPLICABLE = {"0.19.1"}  # no DFlash (vllm/v1/spec_decode/dflash.py absent)
+UPSTREAM = {"0.33.0"}  # SpeculativeConfig.needs_eagle_block_drop() excludes DFlash/DSpark
+PENDING = [v for v in MATRIX if v not in NOT_APPLICABLE | UPSTREAM]  # 0.20.0 ... 0.32.0
+NEEDS_SLOT = {"0.20.0", "0.20.1", "0.20.2", "0.21.0", "0.22.0", "0.22.1"}  # no #42971 (+1 slot) yet
+SCHED_030 = {"0.30.0", "0.31.0", "0.32.0"}
+
+
+def expected(version: str) -> str:
+    if version in NOT_APPLICABLE:
+        return "not-applicable"
+    if version in UPSTREAM:
+        return "upstream"
+    return "pending"
+
+
+def expected_variants(version: str) -> dict[str, str]:
+    if version in NEEDS_SLOT:
+        return {P.SCHEDULER_PY: "sched-0.20", P.SPECULATIVE_PY: "no-predicate"}
+    if version in SCHED_030:
+        return {P.SCHEDULER_PY: "sched-0.30", P.SPECULATIVE_PY: "predicate-0.30"}
+    return {P.SCHEDULER_PY: "sched-0.23", P.SPECULATIVE_PY: "no-predicate"}
+
+
+def test_registered_last_in_series():
+    assert series()[-1] is P.PATCH
+
+
+@pytest.mark.parametrize("version", MATRIX)
+def test_status_per_release(version, matrix_statuses):
+    assert matrix_statuses[version][ID] == expected(version)
+
+
+@pytest.mark.parametrize("version", PENDING)
+def test_pending_releases_match_a_verified_shape(version):
+    """Each pending file is recognised by the expected variant, on a shape it was verified on."""
+    root = vllm_wheels.extracted(version)
+    for pf in P.PATCH.files:
+        finding = examine(P.PATCH, pf, cst.parse_module((root / pf.path).read_bytes()))
+        want = expected_variants(version)[pf.path]
+        assert finding.variant == want, (pf.path, finding)
+        if want == "no-predicate":
+            assert finding.status == "not-applicable", finding
+        else:
+            assert finding.status == "pending" and not finding.untested, finding
+            assert version in next(v for v in pf.variants if v.name == want).verified_on
+
+
+# ---- structural: apply -> verify -> revert, byte-exact -----------------------------------------
+ROUND_TRIP = ("0.20.0", "0.23.0", "0.29.0", "0.32.0")  # one release per scheduler variant, plus 0.23
+
+
+def _changed_lines(before: bytes, after: bytes) -> list[str]:
+    import difflib
+
+    return [line[1:] for line in difflib.unified_diff(before.decode().splitlines(), after.decode().splitlines(),
+                                                      lineterm="", n=0)
+            if line.startswith("+") and not line.startswith("+++")]
+
+
+@pytest.mark.parametrize("version", ROUND_TRIP)
+def test_apply_verify_revert_is_byte_exact(version, make_site, cli):
+    site = make_site(version)
+    record = read_record(next(site.glob("*.dist-info")))
+    pristine = tree_bytes(site)
+
+    rc, doc, err = cli("apply", "--vllm-path", str(site), "--patch", ID, "--json")
+    assert rc == 0 and doc["changed"], err
+    assert statuses(doc)[ID] == "applied"
+    patched = tree_bytes(site)
+    changed = sorted(k for k in patched if patched[k] != pristine[k])
+    want = [P.SCHEDULER_PY] + ([P.SPECULATIVE_PY] if version in SCHED_030 else [])
+    assert changed == sorted(want)
+    for rel in changed:
+        compile(patched[rel], rel, "exec", dont_inherit=True)
+        added = _changed_lines(pristine[rel], patched[rel])
+        code_lines = [line for line in added if not line.strip().startswith("#")]
+        assert code_lines and all(line.endswith(MARK) for line in code_lines), added  # every changed line marked
+
+    sched = patched[P.SCHEDULER_PY].decode()
+    if version in SCHED_030:
+        assert "not self.use_dflash() and not self.disable_eagle_block_drop  " + MARK in \
+            patched[P.SPECULATIVE_PY].decode()
+        assert "and not speculative_config.use_dflash():  " + MARK in sched  # the warning's gate
+    else:
+        assert "use_eagle=self.use_eagle and not speculative_config.use_dflash(),  " + MARK in sched
+        assert "if self.use_eagle and not self.vllm_config.speculative_config.use_dflash():  " + MARK in sched
+        assert "self.use_eagle = True\n" in sched or "self.use_eagle = speculative_config.use_eagle()\n" in sched
+    slot = "self.num_lookahead_tokens = self.num_spec_tokens + 1"
+    if version in NEEDS_SLOT:
+        assert slot + "  " + MARK in sched and sched.count(slot) == 1  # the #42971 back-port
+    else:
+        assert slot + "  " + MARK not in sched
+
+    rc, doc, err = cli("verify", "--vllm-path", str(site), "--patch", ID, "--json")
+    assert rc == 0 and statuses(doc)[ID] == "applied", err
+    rc, doc, err = cli("apply", "--vllm-path", str(site), "--patch", ID, "--json")
+    assert rc == 0 and doc["changed"] is False, err
+
+    rc, doc, err = cli("revert", "--vllm-path", str(site), "--patch", ID, "--json")
+    assert rc == 0, err
+    assert statuses(doc)[ID] == "pending"
+    assert tree_bytes(site) == pristine
+    for rel in changed:
+        assert sha256(pristine[rel]) == record[rel], rel
+
+
+@pytest.mark.parametrize("version", sorted(UPSTREAM | NOT_APPLICABLE))
+def test_apply_is_a_no_op_where_not_pending(version, make_site, cli):
+    site = make_site(version)
+    pristine = tree_bytes(site)
+    rc, doc, err = cli("apply", "--vllm-path", str(site), "--patch", ID, "--json")
+    assert rc == 0 and doc["changed"] is False, err
+    assert statuses(doc)[ID] == expected(version)
+    assert tree_bytes(site) == pristine
+
+
+def test_shape_hashes_are_those_of_the_wheels():
+    """Every hash listed in a variant is the pristine shape of a release it claims."""
+    for pf in P.PATCH.files:
+        for variant in pf.variants:
+            for fn, hashes in variant.shapes.items():
+                seen = set()
+                for version in variant.verified_on:
+                    module = cst.parse_module((vllm_wheels.extracted(version) / pf.path).read_bytes())
+                    seen.add(h.shape_hash(module, h.find_def(module, fn)))
+                assert seen == set(hashes), (pf.path, variant.name, fn)
+
+
+# ---- behaviour: a real Scheduler + KVCacheManager, pristine vs patched ----------------------------
+BEHAVIOUR = ("0.22.1", "0.24.0", "0.28.0", "0.31.0")
+TINY_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 256,
+    "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "torch_dtype": "float32", "head_dim": 16,
+}
+
+
+def _start_probe(site: Path, model_dir: Path, tmp: Path, name: str) -> tuple[subprocess.Popen, Path]:
+    env = {**os.environ, "PYTHONPATH": str(site), "CUDA_VISIBLE_DEVICES": "", "VLLM_LOGGING_LEVEL": "ERROR",
+           "PYTHONDONTWRITEBYTECODE": "1" if name == "patched" else os.environ.get("PYTHONDONTWRITEBYTECODE", "")}
+    env.pop("VLLM_TARGET_DEVICE", None)
+    log = tmp / f"{name}.log"
+    proc = subprocess.Popen([sys.executable, str(HERE / "prefix_cache" / "probe.py"), str(model_dir)],
+                            stdout=subprocess.PIPE, stderr=open(log, "w"), text=True, cwd=str(tmp), env=env)
+    return proc, log
+
+
+def _result(proc: subprocess.Popen, log: Path, name: str) -> dict:
+    out, _ = proc.communicate(timeout=300)
+    lines = [line for line in out.splitlines() if line.startswith("PROBE-RESULT ")]
+    if proc.returncode != 0 or not lines:  # an import failure is a failure, never a skip
+        pytest.fail(f"{name} probe failed (exit {proc.returncode}):\n{out[-2000:]}\n{log.read_text()[-4000:]}")
+    return json.loads(lines[-1][len("PROBE-RESULT "):])
+
+
+@pytest.mark.parametrize("version", BEHAVIOUR)
+def test_dflash_hits_every_cached_block_after_patch(version, tmp_path, cli):
+    full = vllm_wheels.full(version)
+    files = sorted({*P.PATCH.requires, *(pf.path for pf in P.PATCH.files)})
+    site = overlay_site(tmp_path / "site", full, files)
+    rc, doc, err = cli("apply", "--vllm-path", str(site), "--patch", ID, "--json")
+    assert rc == 0 and doc["changed"] and statuses(doc)[ID] == "applied", err
+
+    model_dir = tmp_path / "tiny-llama"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(TINY_CONFIG))
+    running = {name: _start_probe(path, model_dir, tmp_path, name)
+               for name, path in (("pristine", full), ("patched", site))}
+    got = {name: _result(*running[name], name) for name in running}
+
+    for name, path in (("pristine", full), ("patched", site)):
+        assert got[name]["version"] == version
+        assert Path(got[name]["file"]).parent == path / "vllm", got[name]["file"]
+        assert got[name]["scheduler_marked"] is (name == "patched")
+
+    n, k = got["patched"]["prefix_blocks"], got["patched"]["num_spec"]
+    pristine, patched = got["pristine"]["methods"], got["patched"]["methods"]
+    # Pristine vLLM drops the last matched block for both drafters.
+    assert pristine["dflash"]["hit_blocks"] == n - 1 and pristine["eagle3"]["hit_blocks"] == n - 1
+    assert pristine["dflash"]["manager_drops"] and pristine["eagle3"]["manager_drops"]
+    assert pristine["dflash"]["mamba_split"] == pristine["eagle3"]["mamba_split"] == 80
+    # Patched: DFlash hits all N blocks, EAGLE still N - 1.
+    assert patched["dflash"]["hit_blocks"] == n, patched
+    assert not patched["dflash"]["manager_drops"]
+    assert patched["dflash"]["mamba_split"] == 96  # no eagle back-off of the mamba cache position
+    assert patched["eagle3"] == pristine["eagle3"]
+    assert patched["eagle3"]["hit_blocks"] == n - 1 and patched["eagle3"]["manager_drops"]
+    # Scheduler.use_eagle is untouched (DFlash keeps the lookahead and the rest it drives) ...
+    assert patched["dflash"]["scheduler_use_eagle"] and pristine["dflash"]["scheduler_use_eagle"]
+    # ... and DFlash has its +1 lookahead slot: back-ported on 0.20-0.22, upstream (#42971) after.
+    assert patched["dflash"]["num_lookahead_tokens"] == k + 1
+    assert pristine["dflash"]["num_lookahead_tokens"] == (k if version in NEEDS_SLOT else k + 1)
+    assert patched["eagle3"]["num_lookahead_tokens"] == pristine["eagle3"]["num_lookahead_tokens"] == k
