@@ -1,0 +1,141 @@
+"""Boot guard: a ``vllm.general_plugins`` entry point (``ddtree_patcher.guard:register``).
+
+vLLM calls ``register()`` in every process it starts (front end, engine core, workers). It
+checks, by sha256 only (milliseconds, no libcst, no second import of vLLM), that the files the
+tree-walk-hook rewrote are exactly what ``ddtree-patch apply`` recorded in
+``<site>/.ddtree-patch/state.json`` and that their call sites speak this runtime's hook ABI,
+then logs one line:
+
+* ``ddtree-patch: hook active, runner=V2, vLLM 0.26.0`` (DDTree requested, hook intact);
+* ``ddtree-patch: hook installed, inactive (DDTree not requested ...), runner=..., vLLM ...``;
+* ``ddtree-patch: hook NOT active: <why>, runner=..., vLLM ...``.
+
+When DDTree is requested (``DDTREE_PATCH_ENABLE`` / ``DDTREE_PATCH_CHAIN_AS_TREE``) and the hook
+is not intact it raises (vLLM's loader swallows exceptions raised while *importing* a plugin,
+not those of the registered function); ``DDTREE_PATCH_ON_DRIFT=warn`` downgrades that to a
+warning. ``runner=`` is read from the ``VllmConfig`` of the calling frame (engine core, worker)
+or ``VLLM_USE_V2_MODEL_RUNNER``; where neither says (the front end, before the config exists)
+it is ``auto`` and the runner's own ``hook active`` line names it at its first speculative step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import re
+import sys
+from pathlib import Path
+
+PATCH_ID = "tree-walk-hook"
+ENV_ON_DRIFT = "DDTREE_PATCH_ON_DRIFT"
+_ABI_RE = re.compile(rb'bind\(self, "V[12]", hook_abi=(\d+)\)')
+
+logger = logging.getLogger("vllm.ddtree_patch")  # under vLLM's own handler
+
+
+class HookNotIntact(RuntimeError):
+    pass
+
+
+def _site() -> Path | None:
+    mod = sys.modules.get("vllm")
+    spec = getattr(mod, "__spec__", None) or importlib.util.find_spec("vllm")
+    if spec is None or not spec.origin:
+        return None
+    return Path(os.path.abspath(spec.origin)).parent.parent  # not resolved: the site may hold links
+
+
+def _version(site: Path) -> str:
+    ver = getattr(sys.modules.get("vllm"), "__version__", None)
+    if ver:
+        return str(ver)
+    try:
+        text = (site / "vllm" / "_version.py").read_text()
+        found = re.search(r"""(?:__version__|version)\s*(?::\s*str)?\s*=\s*['"]([^'"]+)['"]""", text)
+        return found.group(1) if found else "?"
+    except OSError:
+        return "?"
+
+
+def _runner() -> str:
+    """V1 | V2 | auto, from the caller's VllmConfig (engine core, worker) or the environment."""
+    frame = sys._getframe(1)
+    for _ in range(12):
+        if frame is None:
+            break
+        for name in ("vllm_config", "self"):
+            obj = frame.f_locals.get(name)
+            cfg = obj if name == "vllm_config" else getattr(obj, "vllm_config", None)
+            if cfg is not None and hasattr(type(cfg), "use_v2_model_runner"):
+                try:
+                    return "V2" if cfg.use_v2_model_runner else "V1"
+                except Exception:  # pragma: no cover - a config that cannot decide yet
+                    break
+        frame = frame.f_back
+    env = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    if env is not None and env.strip():
+        return "V2" if env.strip().lower() in ("1", "true") else "V1"
+    return "auto"
+
+
+def check(site: Path | None = None) -> tuple[bool, str]:
+    """(intact, reason): the hook's files are as recorded and speak this runtime's ABI."""
+    from ddtree_patcher.hook import HOOK_ABI
+
+    site = site or _site()
+    if site is None:
+        return False, "vllm is not importable"
+    try:
+        from ddtree_patcher.patches import SERIES
+        from ddtree_patcher.state import load_state
+
+        state = load_state(site, {p.id for p in SERIES})
+    except Exception as exc:  # Refused / EnvironmentProblem: unreadable or tampered state
+        return False, f"state unreadable ({exc})"
+    if PATCH_ID not in state.patches:
+        return False, f"{PATCH_ID} is not applied to {site / 'vllm'} (run `ddtree-patch apply`)"
+    files = {rel: rec for rel, rec in state.files.items() if PATCH_ID in rec.patches}
+    if not files:
+        return False, f"{PATCH_ID} is recorded but no file carries it"
+    for rel, rec in sorted(files.items()):
+        try:
+            data = (site / rel).read_bytes()
+        except OSError as exc:
+            return False, f"{rel}: {exc.strerror or exc}"
+        digest = hashlib.sha256(data).hexdigest()
+        if digest != rec.patched:
+            what = "back to the pristine bytes (vLLM reinstalled?)" if digest == rec.pristine else \
+                "changed since apply"
+            return False, f"{rel} is {what}: run `ddtree-patch verify`, then `ddtree-patch apply`"
+        abis = {int(a) for a in _ABI_RE.findall(data)}
+        if abis != {HOOK_ABI}:
+            return False, (f"{rel}: call site hook ABI {sorted(abis)} != runtime ABI {HOOK_ABI}: "
+                           "`ddtree-patch revert && ddtree-patch apply` with the installed tool")
+    return True, "intact"
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point."""
+    from ddtree_patcher.hook import requested
+
+    site = _site()
+    intact, reason = check(site)
+    ver = _version(site) if site else "?"
+    runner = _runner()
+    want = requested()
+    if intact and want:
+        line = f"ddtree-patch: hook active, runner={runner}, vLLM {ver}"
+    elif intact:
+        line = (f"ddtree-patch: hook installed, inactive (DDTree not requested: set DDTREE_PATCH_ENABLE=1), "
+                f"runner={runner}, vLLM {ver}")
+    else:
+        line = f"ddtree-patch: hook NOT active: {reason}, runner={runner}, vLLM {ver}"
+    if want and not intact:
+        if os.environ.get(ENV_ON_DRIFT, "").strip().lower() == "warn":
+            logger.warning("%s (%s=warn: continuing with vLLM's chain sampler)", line, ENV_ON_DRIFT)
+            return
+        logger.error(line)
+        raise HookNotIntact(line + f" (DDTree is requested; set {ENV_ON_DRIFT}=warn to continue without it)")
+    logger.info(line)
