@@ -202,7 +202,7 @@ class _Sources:
         key = ScanCache.key(patch.id, pf.path, sha256(data))
         hit = self.cache.known.get(key) or self.cache.entries.get(key)
         if hit is None:
-            f = _examine().examine(patch, pf, self.parse(data, pf.path))
+            f = _examine().examine(patch, pf, self.parse(data, pf.path), data)
             hit = [f.status, f.reason, f.untested]
             self.cache.entries[key] = hit
             self.cache.dirty = True
@@ -279,8 +279,9 @@ def _scan(target: Target, state: State, patches: tuple[Patch, ...], src: _Source
 
 
 def _desired_bytes(target: Target, state: State, store: tx.Store, src: _Sources, rel: str,
-                   wanted: list[Patch], allow_untested: bool) -> tuple[bytes, bytes]:
-    """(pristine bytes, bytes with ``wanted`` applied in series order) for one file."""
+                   wanted: list[Patch], allow_untested: bool) -> tuple[bytes, bytes, list[str]]:
+    """(pristine bytes, bytes with ``wanted`` applied in series order, ids of the patches that
+    rewrote something) for one file."""
     rec = state.files.get(rel)
     cur = src.read(rel)
     if rec is not None and (cur is None or sha256(cur) not in (rec.pristine, target.record.get(rel))):
@@ -290,14 +291,12 @@ def _desired_bytes(target: Target, state: State, store: tx.Store, src: _Sources,
     if pristine is None:
         raise Refused(f"{rel}: file not found")
     if not wanted:
-        return pristine, pristine
-    import libcst as cst
-
+        return pristine, pristine, []
     module = src.parse(pristine, rel)
-    rewrote = False
+    rewrote: list[str] = []
     for patch in wanted:
         pf = next(f for f in patch.files if f.path == rel)
-        finding = _examine().examine(patch, pf, module)
+        finding = _examine().examine(patch, pf, module, None if rewrote else pristine)
         if finding.status in (UPSTREAM, NOT_APPLICABLE):
             continue
         if finding.status != PENDING:
@@ -308,13 +307,13 @@ def _desired_bytes(target: Target, state: State, store: tx.Store, src: _Sources,
             module = _examine().rewrite(patch, pf, module, finding)
         except _examine().RewriteError as exc:
             raise Refused(f"{patch.id}: {exc}") from exc
-        rewrote = True
+        rewrote.append(patch.id)
         after = _examine().examine(patch, pf, module)
         if after.status != APPLIED:
             raise Refused(f"{patch.id}: {rel}: the rewritten code is not recognised as applied "
                           f"({after.status}: {after.reason}); refusing")
     if not rewrote:
-        return pristine, pristine
+        return pristine, pristine, []
     new = module.code.encode()
     if new == pristine:
         raise Refused(f"{rel}: the planned rewrite changes nothing; refusing to report it applied")
@@ -322,7 +321,7 @@ def _desired_bytes(target: Target, state: State, store: tx.Store, src: _Sources,
         compile(new, str(target.site / rel), "exec", dont_inherit=True)
     except SyntaxError as exc:
         raise Refused(f"{rel}: the rewritten file does not compile: {exc}") from exc
-    return pristine, new
+    return pristine, new, rewrote
 
 
 def _plan(target: Target, state: State, store: tx.Store, src: _Sources, desired_ids: list[str],
@@ -334,18 +333,14 @@ def _plan(target: Target, state: State, store: tx.Store, src: _Sources, desired_
     new_state = State(target.version, target.dist, [p.id for p in all_ if p.id in desired_ids], {})
     for rel in touched:
         wanted = [p for p in all_ if p.id in desired_ids and any(pf.path == rel for pf in p.files)]
-        if src.read(rel) is None and not wanted:
-            continue  # recorded, but gone (vLLM changed underneath): nothing to restore
         if src.read(rel) is None:
+            optional = all(pf.optional for p in wanted for pf in p.files if pf.path == rel)
+            if optional:  # absent from this release (or gone since): nothing to write
+                continue
             raise Refused(f"{rel}: file not found")
-        pristine, new = _desired_bytes(target, state, store, src, rel, wanted, allow_untested)
+        pristine, new, applied_here = _desired_bytes(target, state, store, src, rel, wanted, allow_untested)
         cur = src.read(rel)
         if new != pristine:
-            applied_here = []
-            for p in wanted:
-                pf = next(f for f in p.files if f.path == rel)
-                if _examine().examine(p, pf, src.parse(new, rel)).status == APPLIED:
-                    applied_here.append(p.id)
             new_state.files[rel] = FileRecord(sha256(pristine), sha256(new), applied_here)
         if cur != new:
             changes.append(tx.Change(rel, cur, new))

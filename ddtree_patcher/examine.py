@@ -30,12 +30,12 @@ class _SiteState:
     node: cst.CSTNode | None = None
 
 
-def _site_state(patch: Patch, path: str, module: cst.Module, site: Site) -> _SiteState:
+def _site_state(patch: Patch, path: str, module: cst.Module, site: Site, marked: bool) -> _SiteState:
     where = f"{path}: {site.function}"
     node = h.find_def(module, site.function)
     if node is None:
         return _SiteState("mismatch", f"{where}: function not found (anchor: {site.anchor})")
-    if h.contains_text(module, node, patch.marker):
+    if marked and h.contains_text(module, node, patch.marker):
         return _SiteState(APPLIED, f"{where}: carries '{patch.marker}'", node)
     if site.fixed is not None and h.count(node, site.fixed()):
         return _SiteState(UPSTREAM, f"{where}: upstream fix present", node)
@@ -49,12 +49,16 @@ def _site_state(patch: Patch, path: str, module: cst.Module, site: Site) -> _Sit
     return _SiteState(PENDING, f"{where}: {site.anchor}", node)
 
 
-def examine(patch: Patch, pfile: PatchFile, module: cst.Module) -> Finding:
-    """Classify one parsed file for one patch (pure: reads the tree only)."""
+def examine(patch: Patch, pfile: PatchFile, module: cst.Module, source: bytes | None = None) -> Finding:
+    """Classify one parsed file for one patch (pure: reads the tree only).
+
+    ``source``, the bytes the module was parsed from, lets a file without this patch's marker
+    skip the per-function marker search."""
+    marked = source is None or patch.marker.encode() in source
     mismatches: list[str] = []
     candidates: list[Finding] = []
     for variant in pfile.variants:
-        states = [_site_state(patch, pfile.path, module, s) for s in variant.sites]
+        states = [_site_state(patch, pfile.path, module, s, marked) for s in variant.sites]
         bad = [s.reason for s in states if s.status == "mismatch"]
         if bad:
             mismatches.append(f"variant {variant.name}: " + "; ".join(bad))
@@ -102,7 +106,7 @@ def rewrite(patch: Patch, pfile: PatchFile, module: cst.Module, finding: Finding
                 f"{pfile.path}: {site.function}: rewrite of anchor {site.anchor} matched "
                 f"{transformer.matches} times (expected {site.expect})"
             )
-        module = module.deep_replace(node, new)
+        module = h.replace_def(module, site.function, new)
     return module
 
 
