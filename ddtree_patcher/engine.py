@@ -389,6 +389,16 @@ class Engine:
         if done:
             notes.append(done)
 
+    def _begin(self) -> tuple[list[str], State, "_Sources", list[PatchReport]]:
+        """Under the lock: recover an interrupted transaction, load the state, scan every patch."""
+        notes: list[str] = []
+        self._recover(notes)
+        state = self._state()
+        src = _Sources(self.target)
+        reports = _scan(self.target, state, series(), src)
+        src.cache.save()
+        return notes, state, src, reports
+
     # ---- commands -------------------------------------------------------------------------
 
     def scan(self, patches: tuple[Patch, ...], save_cache: bool = False) -> list[PatchReport]:
@@ -419,13 +429,8 @@ class Engine:
     def apply(self, ids=None, dry_run: bool = False, allow_untested: bool = False,
               import_check: bool = False) -> Result:
         patches = select(ids)
-        notes: list[str] = []
         with Lock(self.target.site, self.lock_timeout):
-            self._recover(notes)
-            state = self._state()
-            src = _Sources(self.target)
-            reports = _scan(self.target, state, series(), src)
-            src.cache.save()
+            notes, state, src, reports = self._begin()
             selected = {p.id for p in patches}
             refusals = []
             for r in reports:
@@ -464,14 +469,9 @@ class Engine:
 
     def revert(self, ids=None, force: bool = False, dry_run: bool = False) -> Result:
         patches = select(ids)
-        notes: list[str] = []
         with Lock(self.target.site, self.lock_timeout):
-            self._recover(notes)
-            state = self._state()
-            src = _Sources(self.target)
+            notes, state, src, reports = self._begin()
             selected = {p.id for p in patches}
-            reports = _scan(self.target, state, series(), src)
-            src.cache.save()
             shown = [r for r in reports if r.patch.id in selected]
             # Files recorded in state that something else modified since apply.
             drifted = sorted({f.path for r in reports if r.patch.id in state.patches

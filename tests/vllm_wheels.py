@@ -64,61 +64,51 @@ def wheel(version: str, dist: str = "vllm") -> Path:
     return found[-1]
 
 
-def _dist_info(names: list[str], dist: str, version: str) -> str:
-    prefix = f"{_wheel_name(dist)}-{version}.dist-info/"
-    if not any(n.startswith(prefix) for n in names):
-        raise RuntimeError(f"no {prefix} in the wheel")
-    return prefix
-
-
-def extracted(version: str, dist: str = "vllm") -> Path:
-    """A folder with the wheel's Python files and dist-info, byte-checked against RECORD."""
-    out = cache_root() / "extract" / f"{dist}-{version}"
+def _unpack_once(out: Path, whl: Path, select, check_record: bool) -> Path:
+    """Unzip the members ``select(names)`` of ``whl`` into ``out`` once (a ``.complete``
+    marker is written last, so an interrupted unpack is redone), optionally checking every
+    member against the wheel's RECORD sha256."""
     if (out / ".complete").exists():
         return out
-    whl = wheel(version, dist)
-    with _locked(f"extract-{dist}-{version}"):
+    with _locked(f"unpack-{out.parent.name}-{out.name}"):
         if (out / ".complete").exists():
             return out
-        if out.exists():
-            shutil.rmtree(out)
         tmp = out.with_name(out.name + ".tmp")
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(out, ignore_errors=True)
         with zipfile.ZipFile(whl) as zf:
-            names = zf.namelist()
-            info = _dist_info(names, dist, version)
-            wanted = [n for n in names if (n.startswith("vllm/") and n.endswith(".py")) or n.startswith(info)]
-            zf.extractall(tmp, wanted)
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from ddtree_patcher.state import sha256
-        from ddtree_patcher.target import read_record
+            names = select(zf.namelist())
+            zf.extractall(tmp, names)
+        if check_record:
+            from ddtree_patcher.state import sha256
+            from ddtree_patcher.target import read_record
 
-        record = read_record(tmp / info)
-        for n in wanted:
-            if n in record and sha256((tmp / n).read_bytes()) != record[n]:
-                raise RuntimeError(f"{whl.name}: {n} does not match its RECORD hash")
+            record = read_record(next(tmp.glob("*.dist-info")))
+            for n in names:
+                if n in record and sha256((tmp / n).read_bytes()) != record[n]:
+                    raise RuntimeError(f"{whl.name}: {n} does not match its RECORD hash")
         (tmp / ".complete").write_text(whl.name)
         tmp.rename(out)
     return out
 
 
+def extracted(version: str, dist: str = "vllm") -> Path:
+    """A folder with the wheel's Python files and dist-info, byte-checked against RECORD."""
+    info = f"{_wheel_name(dist)}-{version}.dist-info/"
+
+    def select(names):
+        if not any(n.startswith(info) for n in names):
+            raise RuntimeError(f"no {info} in the wheel")
+        return [n for n in names if (n.startswith("vllm/") and n.endswith(".py")) or n.startswith(info)]
+
+    out = cache_root() / "extract" / f"{dist}-{version}"
+    return out if (out / ".complete").exists() else _unpack_once(out, wheel(version, dist), select, True)
+
+
 def full(version: str, dist: str = "vllm") -> Path:
     """The whole wheel unpacked (a site folder that can be put on sys.path to import vLLM)."""
     out = cache_root() / "full" / f"{dist}-{version}"
-    if (out / ".complete").exists():
-        return out
-    whl = wheel(version, dist)
-    with _locked(f"full-{dist}-{version}"):
-        if not (out / ".complete").exists():
-            tmp = out.with_name(out.name + ".tmp")
-            shutil.rmtree(tmp, ignore_errors=True)
-            shutil.rmtree(out, ignore_errors=True)
-            with zipfile.ZipFile(whl) as zf:
-                zf.extractall(tmp)
-            (tmp / ".complete").write_text(whl.name)
-            tmp.rename(out)
-    return out
+    return out if (out / ".complete").exists() else _unpack_once(out, wheel(version, dist), list, False)
 
 
 def lay_out_site(dest: Path, version: str, dist: str = "vllm", files: list[str] | None = None) -> Path:
