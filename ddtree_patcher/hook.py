@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from typing import Any
 
 HOOK_ABI = 1  # the call-site <-> runtime contract; bump on any incompatible change
@@ -53,6 +54,12 @@ ENV_CHAIN = "DDTREE_PATCH_CHAIN_AS_TREE"
 RUNNERS = ("V1", "V2")
 
 logger = logging.getLogger("ddtree_patcher.hook")
+_LIVE: "weakref.WeakSet[TreeStep]" = weakref.WeakSet()
+
+
+def live_steps() -> list["TreeStep"]:
+    """Every TreeStep bound in this process (diagnostics and tests)."""
+    return list(_LIVE)
 
 # Why a step falls back to vLLM's chain sampler (counted in TreeStep.fallbacks).
 FALLBACK_REASONS = {
@@ -153,6 +160,7 @@ class TreeStep:
         self.num_reqs = 0
         self.num_nodes = 0
         self._alloc(max(self.K, 1))
+        _LIVE.add(self)
 
     # ---- persistent buffers ------------------------------------------------------------------
     def _alloc(self, k: int) -> None:

@@ -63,13 +63,14 @@ for cfg in "v2-nospec 0 - -" "v2-tree 1 - 1" "v1-nospec 0 0 -" "v1-tree 1 0 1" "
   ( [ "$3" != "-" ] && export VLLM_USE_V2_MODEL_RUNNER=$3; [ "$4" != "-" ] && export DDTREE_PATCH_CHAIN_AS_TREE=1
     TAG=$1 SPEC=$2 EAGER=1 timeout $(( left < 200 ? left : 200 )) python3 "$REPO/tests/patches/tree_hook/run_llm_hook.py" > "$O/$1.log" 2>&1 )
   echo "rc=$?"
-  grep -E "RESULT|Error|Traceback|ddtree-patch|Model Runner|model runner" "$O/$1.log" | cut -c1-500 | head -20
+  grep -E "Error|Traceback|ddtree-patch|Model Runner|model runner" "$O/$1.log" | cut -c1-300 | head -20
+  grep -h "^RESULT " "$O/$1.log" >> "$O/results.jsonl"   # whole lines: the comparison reads them
 done
 ph compare
 python3 - "$O" <<'PY' | tee "$O/summary.json"
 import glob, json, sys
 r = {}
-for f in sorted(glob.glob(sys.argv[1] + "/*.log")):
+for f in sorted(glob.glob(sys.argv[1] + "/*-*.log")):  # the per-run logs only
     for line in open(f, errors="replace"):
         if line.startswith("RESULT "):
             d = json.loads(line[7:]); r[d["tag"]] = d
@@ -82,3 +83,4 @@ for run, base in (("v2-tree", "v2-nospec"), ("v1-tree", "v1-nospec"), ("v2-spec-
 print(json.dumps(out, indent=1))
 PY
 ph end
+cd "$O" && tar czf logs.tgz *-*.log && rm -f *-*.log   # at most 8 files come back: one archive
