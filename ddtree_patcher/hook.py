@@ -173,7 +173,10 @@ class TreeStep:
         self.accepted_rows = torch.full((n, self.K + 1), -1, dtype=i32, device=dev)
         self.num_accepted = torch.zeros(n, dtype=i32, device=dev)
         pin = dev.type == "cuda"
-        self._stage = torch.zeros((2, n * self.K), dtype=i32, pin_memory=pin)
+        # two pinned staging slots, used in turn: an upload never overwrites host memory that the
+        # previous step's asynchronous copy may still be reading
+        self._stage = torch.zeros((2, 2, n * self.K), dtype=i32, pin_memory=pin)
+        self._slot = 0
 
     # ---- the tree channel --------------------------------------------------------------------
     def attach(self, req_id: str, parent_ids) -> None:
@@ -226,7 +229,8 @@ class TreeStep:
                 depth.append(depth[p] + 1)
             flat_p.extend(t)
             flat_d.extend(depth[1:])
-        stage = self._stage[:, :nd]
+        self._slot ^= 1
+        stage = self._stage[self._slot, :, :nd]
         stage[0] = torch.tensor(flat_p, dtype=torch.int32)
         stage[1] = torch.tensor(flat_d, dtype=torch.int32)
         self.parent_ids[:nd].copy_(stage[0], non_blocking=True)
