@@ -60,9 +60,12 @@ class FileReport:
 class PatchReport:
     patch: Patch
     files: list[FileReport]
+    problem: str | None = None  # the runtime the patched code imports is missing or incompatible
 
     @property
     def status(self) -> str:
+        if self.problem:
+            return DRIFTED
         kinds = [f.status for f in self.files]
         for bad in (UNSUPPORTED, DRIFTED, LOST):
             if bad in kinds:
@@ -77,6 +80,8 @@ class PatchReport:
 
     @property
     def reason(self) -> str:
+        if self.problem:
+            return self.problem
         status = self.status
         reasons = [f"{f.reason}" for f in self.files if f.status == status and f.reason]
         return "; ".join(dict.fromkeys(reasons))
@@ -415,6 +420,9 @@ class Engine:
             with Lock(self.target.site, self.lock_timeout):
                 self._recover(notes)
         reports = self.scan(patches)
+        for r in reports:
+            if r.status == APPLIED and r.patch.runtime is not None:
+                r.problem = r.patch.runtime(self.target.site, self.python)
         result = Result("verify", self.target, reports, notes=notes)
         statuses = {r.status for r in reports}
         if statuses & {DRIFTED, UNSUPPORTED}:

@@ -93,6 +93,9 @@ class Patch:
     # files whose absence means the patched feature does not exist in this release at all
     requires: tuple[str, ...] = ()
     doc: str = ""
+    # For hooks: (site, target interpreter or None) -> a problem with the runtime the patched code
+    # imports (missing, incompatible), or None. ``verify`` reports a problem as drifted (exit 3).
+    runtime: Callable[[Any, str | None], str | None] | None = None
 
     @property
     def marker(self) -> str:

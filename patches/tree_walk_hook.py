@@ -142,6 +142,38 @@ SHAPES_V1_B = {V1_FN: frozenset({"e8615af5c218"})}  # 0.22.0-0.33.0: `draft_prob
 # 0.24.0-0.28.0, 0.29.0-0.30.0, 0.31.0, 0.32.0-0.33.0 (adds invalid_drafts and batch sharding)
 SHAPES_V2 = {V2_FN: frozenset({"d58876dc8445", "6a152f0c6da1", "cd371424437d", "5585f4a055cf"})}
 
+def _runtime(site, python: str | None) -> str | None:
+    """The call sites import ``ddtree_patcher.hook`` in vLLM's interpreter (``--python``, else
+    the one running ddtree-patch): it must be importable there and speak the ABI written in them."""
+    import subprocess
+
+    from ddtree_patcher.guard import _ABI_RE
+
+    written = set()
+    for rel in (V1_PY, V2_PY):
+        try:
+            written |= {int(a) for a in _ABI_RE.findall((site / rel).read_bytes())}
+        except FileNotFoundError:
+            pass
+    if python is None:
+        from ddtree_patcher.hook import HOOK_ABI as abi
+
+        where = "this interpreter"
+    else:
+        where = python
+        proc = subprocess.run([python, "-c", "import ddtree_patcher.hook as h; print(h.HOOK_ABI)"],
+                              capture_output=True, text=True, cwd="/")
+        if proc.returncode != 0:
+            last = (proc.stderr.strip().splitlines() or ["?"])[-1]
+            return (f"{python} cannot import ddtree_patcher.hook ({last}): the patched vLLM would fail when "
+                    "DDTree is requested; install ddtree-patch in that environment or `ddtree-patch revert`")
+        abi = int(proc.stdout.strip())
+    if written != {abi}:
+        return (f"the call sites speak hook ABI {sorted(written)} but ddtree_patcher.hook in {where} speaks "
+                f"{abi}: run `ddtree-patch apply` with the installed ddtree-patch")
+    return None
+
+
 PATCH = Patch(
     id=ID,
     summary="Gated call site in the V1 and V2 runners' sampling that verifies DDTree draft trees "
@@ -150,6 +182,7 @@ PATCH = Patch(
     upstream=(),
     requires=("vllm/v1/spec_decode/dflash.py",),
     doc="docs/patches/tree-walk-hook.md",
+    runtime=_runtime,
     files=(
         PatchFile(
             path=V1_PY,
