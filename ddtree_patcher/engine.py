@@ -330,21 +330,29 @@ def _desired_bytes(target: Target, state: State, store: tx.Store, src: _Sources,
 
 
 def _plan(target: Target, state: State, store: tx.Store, src: _Sources, desired_ids: list[str],
-          allow_untested: bool, force_files: set[str] = frozenset()) -> tuple[list[tx.Change], State]:
+          allow_untested: bool, reports: list[PatchReport]) -> tuple[list[tx.Change], State]:
     """Changes that move every file to ``desired_ids`` applied, and the state that records it."""
     all_ = series()
+    status = {(r.patch.id, f.path): f.status for r in reports for f in r.files}
     touched = sorted({pf.path for p in all_ for pf in p.files if p.id in desired_ids} | set(state.files))
     changes: list[tx.Change] = []
     new_state = State(target.version, target.dist, [p.id for p in all_ if p.id in desired_ids], {})
     for rel in touched:
         wanted = [p for p in all_ if p.id in desired_ids and any(pf.path == rel for pf in p.files)]
-        if src.read(rel) is None:
+        cur = src.read(rel)
+        if cur is None:
             optional = all(pf.optional for p in wanted for pf in p.files if pf.path == rel)
             if optional:  # absent from this release (or gone since): nothing to write
                 continue
             raise Refused(f"{rel}: file not found")
+        rec = state.files.get(rel)
+        before = {p for p in state.patches if any(pf.path == rel for q in all_ if q.id == p for pf in q.files)}
+        if rec is not None and sha256(cur) == rec.patched and before == {p.id for p in wanted}:
+            new_state.files[rel] = rec  # already exactly as desired: re-applying is a no-op
+            continue
+        if rec is None and all(status.get((p.id, rel)) in (UPSTREAM, NOT_APPLICABLE) for p in wanted):
+            continue  # pristine, and nothing wanted rewrites it
         pristine, new, applied_here = _desired_bytes(target, state, store, src, rel, wanted, allow_untested)
-        cur = src.read(rel)
         if new != pristine:
             new_state.files[rel] = FileRecord(sha256(pristine), sha256(new), applied_here)
         if cur != new:
@@ -459,7 +467,7 @@ class Engine:
                        if (p.id in state.patches and p.id not in selected
                            and _report(reports, p.id).status == APPLIED)
                        or (p.id in selected and _report(reports, p.id).status in (PENDING, APPLIED, LOST))]
-            changes, new_state = _plan(self.target, state, self.store, src, desired, allow_untested)
+            changes, new_state = _plan(self.target, state, self.store, src, desired, allow_untested, reports)
             result = Result("apply", self.target, shown, notes=notes)
             if dry_run:
                 result.diff = _diff(changes)
@@ -495,7 +503,7 @@ class Engine:
                 raise _RefusedWith(Result("revert", self.target, shown, notes=notes),
                                    "modified since apply and shared with patches that stay applied: "
                                    + ", ".join(shared_drift) + "; revert those patches too")
-            changes, new_state = _plan(self.target, state, self.store, src, remaining, allow_untested=True)
+            changes, new_state = _plan(self.target, state, self.store, src, remaining, True, reports)
             result = Result("revert", self.target, shown, notes=notes)
             if dry_run:
                 result.diff = _diff(changes)

@@ -170,7 +170,7 @@ def _runtime(site, python: str | None) -> str | None:
         abi = int(proc.stdout.strip())
     if written != {abi}:
         return (f"the call sites speak hook ABI {sorted(written)} but ddtree_patcher.hook in {where} speaks "
-                f"{abi}: run `ddtree-patch apply` with the installed ddtree-patch")
+                f"{abi}: run `ddtree-patch revert && ddtree-patch apply` with the installed ddtree-patch")
     return None
 
 

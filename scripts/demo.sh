@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The main job, end to end, on a real vLLM: download the official vLLM wheel, install it (no
-# dependencies: patching needs none) into a scratch virtual environment, then
+# dependencies: patching needs none) and ddtree-patch into a scratch virtual environment (the
+# patched vLLM imports ddtree_patcher, so both belong in one environment), then
 #   ddtree-patch apply -> verify (status table) -> apply again (no-op) -> revert
 # against that environment's interpreter, and check every file against the wheel's RECORD.
 #   usage: bash scripts/demo.sh [VLLM_VERSION]     (default 0.20.0; try 0.33.0 too)
@@ -10,12 +11,11 @@ VERSION=${1:-0.20.0}
 PYTHON=${PYTHON:-python3}
 WORK=${DEMO_DIR:-$(mktemp -d /tmp/ddtree-demo.XXXXXX)}
 echo "== scratch environment: $WORK"
-"$PYTHON" -m venv "$WORK/tool"   # ddtree-patch itself
-"$PYTHON" -m venv "$WORK/vllm"   # the vLLM to patch
-"$WORK/tool/bin/pip" install -q --disable-pip-version-check .
-"$WORK/vllm/bin/pip" install -q --disable-pip-version-check --no-deps "vllm==$VERSION"
-T="$WORK/tool/bin/ddtree-patch"
-PY="$WORK/vllm/bin/python"
+"$PYTHON" -m venv "$WORK/venv"
+"$WORK/venv/bin/pip" install -q --disable-pip-version-check .
+"$WORK/venv/bin/pip" install -q --disable-pip-version-check --no-deps "vllm==$VERSION"
+T="$WORK/venv/bin/ddtree-patch"
+PY="$WORK/venv/bin/python"
 step() { echo; echo "== ddtree-patch $*"; "$T" "$@" --python "$PY"; }
 set +e
 step verify;           echo "   exit $?  (6 = something pending)"
