@@ -133,3 +133,21 @@ def test_verify_reports_a_patched_vllm_whose_runtime_is_missing(make_site):
     assert rc == 3, err
     hook = next(p for p in doc["patches"] if p["id"] == "tree-walk-hook")
     assert hook["status"] == "drifted" and "cannot import ddtree_patcher.hook" in hook["reason"]
+
+
+def test_verify_import_imports_the_patched_modules(tmp_path):
+    """`verify --import` imports every patched module in a subprocess (real vLLM 0.28.0 wheel)."""
+    import importlib.util
+
+    import vllm_wheels
+    from helpers import REPO, patch_files
+
+    spec = importlib.util.spec_from_file_location("overlay", REPO / "tests/patches/prefix_cache/overlay.py")
+    overlay = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(overlay)
+    site = overlay.overlay_site(tmp_path / "site", vllm_wheels.full("0.28.0"), patch_files())
+    env = {"CUDA_VISIBLE_DEVICES": "", "PYTHONDONTWRITEBYTECODE": "1"}
+    rc, doc, err = run_cli("apply", "--vllm-path", str(site), "--json", env=env)
+    assert rc == 0 and doc["changed"], err
+    rc, doc, err = run_cli("verify", "--vllm-path", str(site), "--import", "--json", env=env, timeout=600)
+    assert rc == 0, err
