@@ -40,3 +40,12 @@ def statuses(doc: dict) -> dict[str, str]:
 def tree_bytes(site: Path) -> dict[str, bytes]:
     """Every file under site/vllm, for byte-exact comparisons."""
     return {str(p.relative_to(site)): p.read_bytes() for p in sorted((site / "vllm").rglob("*")) if p.is_file()}
+
+
+def added_lines(before: bytes, after: bytes) -> list[str]:
+    """The lines a rewrite added (unified diff of two versions of a file, "+" lines)."""
+    import difflib
+
+    return [line[1:] for line in difflib.unified_diff(before.decode().splitlines(), after.decode().splitlines(),
+                                                      lineterm="", n=0)
+            if line.startswith("+") and not line.startswith("+++")]

@@ -13,7 +13,7 @@ import libcst as cst
 import pytest
 
 import vllm_wheels
-from helpers import statuses, tree_bytes
+from helpers import added_lines, statuses, tree_bytes
 from ddtree_patcher import cst_helpers as h
 from ddtree_patcher.engine import series
 from ddtree_patcher.examine import examine
@@ -80,14 +80,6 @@ def test_pending_releases_match_a_verified_shape(version):
 ROUND_TRIP = ("0.20.0", "0.23.0", "0.29.0", "0.32.0")  # one release per scheduler variant, plus 0.23
 
 
-def _changed_lines(before: bytes, after: bytes) -> list[str]:
-    import difflib
-
-    return [line[1:] for line in difflib.unified_diff(before.decode().splitlines(), after.decode().splitlines(),
-                                                      lineterm="", n=0)
-            if line.startswith("+") and not line.startswith("+++")]
-
-
 @pytest.mark.parametrize("version", ROUND_TRIP)
 def test_apply_verify_revert_is_byte_exact(version, make_site, cli):
     site = make_site(version)
@@ -103,7 +95,7 @@ def test_apply_verify_revert_is_byte_exact(version, make_site, cli):
     assert changed == sorted(want)
     for rel in changed:
         compile(patched[rel], rel, "exec", dont_inherit=True)
-        added = _changed_lines(pristine[rel], patched[rel])
+        added = added_lines(pristine[rel], patched[rel])
         code_lines = [line for line in added if not line.strip().startswith("#")]
         assert code_lines and all(line.endswith(MARK) for line in code_lines), added  # every changed line marked
 

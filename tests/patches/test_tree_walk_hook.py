@@ -24,7 +24,7 @@ import libcst as cst
 import pytest
 
 import vllm_wheels
-from helpers import REPO, statuses, tree_bytes
+from helpers import REPO, added_lines, statuses, tree_bytes
 from ddtree_patcher import cst_helpers as h
 from ddtree_patcher import hook
 from ddtree_patcher.engine import series
@@ -103,14 +103,6 @@ def test_shape_hashes_are_those_of_the_wheels():
                 assert seen == set(hashes), (pf.path, variant.name, fn, seen)
 
 
-def _added_lines(before: bytes, after: bytes) -> list[str]:
-    import difflib
-
-    return [line[1:] for line in difflib.unified_diff(before.decode().splitlines(), after.decode().splitlines(),
-                                                      lineterm="", n=0)
-            if line.startswith("+") and not line.startswith("+++")]
-
-
 ROUND_TRIP = ("0.20.0", "0.22.0", "0.24.0", "0.29.0", "0.33.0")
 
 
@@ -126,7 +118,7 @@ def test_apply_verify_revert_is_byte_exact(version, make_site, cli):
     assert changed == sorted(RUNNER_FILES if _key(version) >= _key(V2_FROM) else [P.V1_PY])
     for rel in changed:
         compile(patched[rel], rel, "exec", dont_inherit=True)
-        added = _added_lines(pristine[rel], patched[rel])
+        added = added_lines(pristine[rel], patched[rel])
         # every added statement line is marked; the anchor itself reappears, unchanged, indented
         marked = [line for line in added if MARK in line]
         assert len(marked) == 12, added
