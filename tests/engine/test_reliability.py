@@ -263,3 +263,26 @@ def test_stale_bytecode_is_removed(site020):
         p.write_bytes(b"stale")
     assert run_cli("apply", "--vllm-path", str(site), "--patch", ID)[0] == 0
     assert not any(p.exists() for p in stale)
+
+
+def test_hardlinked_files_are_replaced_not_written_in_place(site020, tmp_path):
+    """uv and conda hardlink site-packages files to their caches: an in-place write would edit
+    the cache (and every other environment) too. Apply and revert must leave the other link alone."""
+    site, pristine, patched = site020
+    cache_copy = tmp_path / "uv-cache-gpu_model_runner.py"
+    os.link(site / RUNNER, cache_copy)
+    assert os.stat(site / RUNNER).st_nlink == 2
+    assert run_cli("apply", "--vllm-path", str(site), "--patch", ID)[0] == 0
+    assert (site / RUNNER).read_bytes() == patched[RUNNER]
+    assert cache_copy.read_bytes() == pristine[RUNNER]
+    assert run_cli("revert", "--vllm-path", str(site), "--patch", ID)[0] == 0
+    assert cache_copy.read_bytes() == pristine[RUNNER]
+
+
+def test_mode_is_kept(site020):
+    site, pristine, _ = site020
+    os.chmod(site / RUNNER, 0o640)
+    assert run_cli("apply", "--vllm-path", str(site), "--patch", ID)[0] == 0
+    assert (os.stat(site / RUNNER).st_mode & 0o7777) == 0o640
+    assert run_cli("revert", "--vllm-path", str(site), "--patch", ID)[0] == 0
+    assert (os.stat(site / RUNNER).st_mode & 0o7777) == 0o640
