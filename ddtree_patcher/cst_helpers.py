@@ -50,27 +50,8 @@ def contains_text(module: cst.Module, node: cst.CSTNode, text: str) -> bool:
     return text in module.code_for_node(node)
 
 
-def marker_comment(patch_id: str) -> cst.Comment:
-    return cst.Comment(f"# ddtree-patch: {patch_id}")
-
-
 def marker_text(patch_id: str) -> str:
     return f"# ddtree-patch: {patch_id}"
-
-
-def with_trailing_marker(line: cst.SimpleStatementLine, patch_id: str) -> cst.SimpleStatementLine:
-    """Put the patch's marker comment at the end of a rewritten statement line."""
-    return line.with_changes(
-        trailing_whitespace=cst.TrailingWhitespace(
-            whitespace=cst.SimpleWhitespace("  "), comment=marker_comment(patch_id)
-        )
-    )
-
-
-def replace_in(module: cst.Module, target: cst.CSTNode, transformer: cst.CSTTransformer) -> cst.Module:
-    """Run ``transformer`` over ``target`` only, and put the result back into ``module``."""
-    new = target.visit(transformer)
-    return module.deep_replace(target, new)
 
 
 def replace_def(module: cst.Module, qualname: str, new: cst.CSTNode) -> cst.Module:

@@ -16,7 +16,7 @@ from pathlib import Path
 from ddtree_patcher import __version__
 from ddtree_patcher.errors import DDTreeError, ExitCode, Refused, ValidationFailed
 from ddtree_patcher.patchlib import (
-    APPLIED, DRIFTED, LOST, NOT_APPLICABLE, PENDING, UNSUPPORTED, UPSTREAM, Finding, Patch,
+    APPLIED, DRIFTED, LOST, NOT_APPLICABLE, PENDING, UNSUPPORTED, UPSTREAM, Patch,
 )
 from ddtree_patcher.state import FileRecord, Lock, State, load_state, sha256
 from ddtree_patcher.target import Target
@@ -402,6 +402,12 @@ class Engine:
         if done:
             notes.append(done)
 
+    def _commit(self, op: str, changes: list[tx.Change], new_state: State, post) -> None:
+        """One transaction to ``new_state`` (no state file when nothing stays applied), then drop
+        the backups it no longer references."""
+        tx.commit(self.store, op, changes, new_state.to_json(__version__) if new_state.files else None, post)
+        self.store.gc({r.pristine for r in new_state.files.values()})
+
     def _begin(self) -> tuple[list[str], State, "_Sources", list[PatchReport]]:
         """Under the lock: recover an interrupted transaction, load the state, scan every patch."""
         notes: list[str] = []
@@ -462,7 +468,7 @@ class Engine:
                     refusals.append(f"{r.patch.id} (applied earlier): drifted: {r.reason}")
             shown = [r for r in reports if r.patch.id in selected]
             if refusals:
-                raise _RefusedWith(Result("apply", self.target, shown, notes=notes), "; ".join(refusals))
+                raise RefusedWith(Result("apply", self.target, shown, notes=notes), "; ".join(refusals))
             desired = [p.id for p in series()
                        if (p.id in state.patches and p.id not in selected
                            and _report(reports, p.id).status == APPLIED)
@@ -476,9 +482,7 @@ class Engine:
                 post = None
                 if import_check:
                     post = lambda: _import_check(self.target, [c.rel for c in changes], self.python)  # noqa: E731
-                tx.commit(self.store, "apply", changes,
-                          new_state.to_json(__version__) if new_state.files else None, post)
-                self.store.gc({r.pristine for r in new_state.files.values()})
+                self._commit("apply", changes, new_state, post)
                 result.changed = bool(changes)
             result.reports = self.scan(patches, save_cache=True)
             return result
@@ -496,11 +500,11 @@ class Engine:
             shared_drift = [rel for rel in drifted if any(
                 pid in remaining for pid in state.files[rel].patches)]
             if drifted and not force:
-                raise _RefusedWith(Result("revert", self.target, shown, notes=notes),
+                raise RefusedWith(Result("revert", self.target, shown, notes=notes),
                                    "modified since apply: " + ", ".join(drifted)
                                    + "; revert --force restores the pristine bytes (dropping those edits)")
             if shared_drift:
-                raise _RefusedWith(Result("revert", self.target, shown, notes=notes),
+                raise RefusedWith(Result("revert", self.target, shown, notes=notes),
                                    "modified since apply and shared with patches that stay applied: "
                                    + ", ".join(shared_drift) + "; revert those patches too")
             changes, new_state = _plan(self.target, state, self.store, src, remaining, True, reports)
@@ -516,9 +520,7 @@ class Engine:
                             if record is not None and sha256(c.after) != record:
                                 raise ValidationFailed(f"{c.rel}: restored bytes differ from RECORD")
 
-                tx.commit(self.store, "revert", changes,
-                          new_state.to_json(__version__) if new_state.files else None, post)
-                self.store.gc({r.pristine for r in new_state.files.values()})
+                self._commit("revert", changes, new_state, post)
                 result.changed = bool(changes)
             result.reports = self.scan(patches, save_cache=True)
             return result
@@ -528,7 +530,7 @@ def _report(reports: list[PatchReport], pid: str) -> PatchReport:
     return next(r for r in reports if r.patch.id == pid)
 
 
-class _RefusedWith(Refused):
+class RefusedWith(Refused):
     """A refusal that still carries the scan (for the status table and JSON)."""
 
     def __init__(self, result: Result, message: str):
@@ -536,5 +538,3 @@ class _RefusedWith(Refused):
         self.result = result
         result.code = ExitCode.REFUSED
 
-
-RefusedWith = _RefusedWith

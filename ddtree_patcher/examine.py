@@ -135,14 +135,14 @@ class ReplaceAndMark(CountingTransformer):
         return updated_node
 
 
+def marked(ws: cst.TrailingWhitespace, patch_id: str) -> cst.TrailingWhitespace:
+    """``ws`` (the end of a physical line) with the patch's marker appended to its comment."""
+    text = h.marker_text(patch_id) if ws.comment is None else f"{ws.comment.value}  {h.marker_text(patch_id)}"
+    return ws.with_changes(whitespace=cst.SimpleWhitespace("  "), comment=cst.Comment(text))
+
+
 def mark_line(line: cst.SimpleStatementLine, patch_id: str) -> cst.SimpleStatementLine:
     """Append the patch's marker to a statement line's trailing comment (kept if present)."""
-    old = line.trailing_whitespace.comment
-    text = h.marker_text(patch_id) if old is None else f"{old.value}  {h.marker_text(patch_id)}"
-    return line.with_changes(
-        trailing_whitespace=cst.TrailingWhitespace(
-            whitespace=cst.SimpleWhitespace("  "), comment=cst.Comment(text)
-        )
-    )
+    return line.with_changes(trailing_whitespace=marked(line.trailing_whitespace, patch_id))
 
 

@@ -62,19 +62,16 @@ def _never():  # an anchor that matches nothing (see _NO_PREDICATE)
 
 
 # ---- marking: the marker goes on every physical line that changes ---------------------------
-def _comment(old):
-    return MARK if old is None else f"{old.value}  {MARK}"
-
-
 def _mark_line(line):
-    return line.with_changes(trailing_whitespace=cst.TrailingWhitespace(
-        whitespace=cst.SimpleWhitespace("  "), comment=cst.Comment(_comment(line.trailing_whitespace.comment))))
+    from ddtree_patcher.examine import mark_line
+
+    return mark_line(line, ID)
 
 
 def _mark_header(node):  # "if ...:  # marker"
-    header = node.body.header
-    return node.with_changes(body=node.body.with_changes(header=cst.TrailingWhitespace(
-        whitespace=cst.SimpleWhitespace("  "), comment=cst.Comment(_comment(header.comment)))))
+    from ddtree_patcher.examine import marked
+
+    return node.with_changes(body=node.body.with_changes(header=marked(node.body.header, ID)))
 
 
 def _mark_arg(arg):  # "    keyword=value,  # marker" (an argument on its own line)
@@ -82,10 +79,10 @@ def _mark_arg(arg):  # "    keyword=value,  # marker" (an argument on its own li
     ws = getattr(comma, "whitespace_after", None)
     if not isinstance(ws, cst.ParenthesizedWhitespace):
         return arg  # not on its own line: left unmarked, and the engine refuses the result
-    first = ws.first_line
+    from ddtree_patcher.examine import marked
+
     return arg.with_changes(comma=comma.with_changes(whitespace_after=ws.with_changes(
-        first_line=first.with_changes(whitespace=cst.SimpleWhitespace("  "),
-                                      comment=cst.Comment(_comment(first.comment))))))
+        first_line=marked(ws.first_line, ID))))
 
 
 def _rules_rewrite(*rules):
