@@ -1,0 +1,141 @@
+"""Runtime of the ``dflash-sliding-window`` patch: what the rewritten ``DFlashQwen3DecoderLayer``
+calls while the drafter is built (once per layer, never per step). Imports nothing heavy.
+
+* :func:`resolve_layer_attention` is vLLM 0.28's ``_resolve_layer_attention`` (#46104, #47914)
+  without the V1 guard; the 0.20.0-0.24.0 call sites use it (those releases have no resolver).
+* :func:`finish_draft_layer` runs after the layer's ``Attention`` exists, on every release:
+
+  - in a *mixed* drafter (sliding and full layers) a sliding layer reports full KV storage
+    (``get_kv_cache_spec`` as if it had no window), so every draft layer stays in one KV cache
+    group (V1's proposer asserts one) and the context K/V the target pass wrote is never evicted;
+    it still *computes* with its window (the attention impl keeps ``sliding_window``). The
+    rewritten proposer then gives each window its own draft attention group, whose spec carries
+    the window (``FullAttentionSpec.sliding_window``: "full storage, windowed compute");
+  - a non-causal sliding layer gets a symmetric FlashAttention window ``(w-1, w-1)`` instead of
+    ``(w-1, 0)`` (0.20.0-0.24.0 never symmetrise; later releases do it themselves).
+
+All-sliding and all-full drafters keep upstream behaviour (nothing is changed for them here), and
+so do mixed drafters built for a V2 runner that supports them (0.26.0+).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+SWA_ABI = 1  # written into every call site as ``swa_abi=N``
+SLIDING = "sliding_attention"
+
+
+class SlidingWindowRuntimeError(RuntimeError):
+    pass
+
+
+def _check_abi(swa_abi: int) -> None:
+    if swa_abi != SWA_ABI:
+        raise SlidingWindowRuntimeError(
+            f"ddtree-patch: the dflash-sliding-window call sites speak ABI {swa_abi} but the installed "
+            f"ddtree_patcher.swa speaks {SWA_ABI}: run `ddtree-patch revert && ddtree-patch apply` with "
+            "the installed ddtree-patch")
+
+
+def _dflash_config(config: Any) -> dict:
+    return getattr(config, "dflash_config", None) or {}
+
+
+def layer_causal(config: Any, layer_idx: int) -> bool:
+    """vLLM 0.28's ``_dflash_layer_causal``: ``is_causal``, else ``dflash_config.causal``, else
+    causal exactly for the sliding layers of ``layer_types`` (the z-lab convention)."""
+    is_causal = getattr(config, "is_causal", None)
+    if is_causal is not None:
+        return bool(is_causal)
+    override = _dflash_config(config).get("causal")
+    if override is not None:
+        return bool(override)
+    layer_types = getattr(config, "layer_types", None)
+    return bool(layer_types) and layer_types[layer_idx] == SLIDING
+
+
+def layer_window(config: Any, layer_idx: int) -> int | None:
+    """The layer's sliding window (None: full attention), as vLLM 0.25-0.33 resolve it."""
+    dflash_config = _dflash_config(config)
+    layer_types = getattr(config, "layer_types", None)
+    use_swa = dflash_config.get("use_swa", False)
+    any_sliding = layer_types is not None and any(lt == SLIDING for lt in layer_types)
+    # ``use_swa`` forces SWA on every layer, even an all-full ``layer_types``.
+    if layer_types is None or (use_swa and not any_sliding):
+        is_sliding = bool(use_swa)
+    else:
+        is_sliding = layer_types[layer_idx] == SLIDING
+    if not is_sliding:
+        return None
+    window = dflash_config.get("swa_window_size", getattr(config, "sliding_window", None))
+    if window is None:
+        raise ValueError("DFlash sliding attention requires a window size configured in "
+                         "dflash_config.swa_window_size or the top-level sliding_window.")
+    return int(window)
+
+
+def resolve_layer_attention(config: Any, layer_idx: int, *, swa_abi: int) -> tuple[int | None, bool]:
+    """``(sliding_window, causal)`` for one DFlash draft layer."""
+    _check_abi(swa_abi)
+    return layer_window(config, layer_idx), layer_causal(config, layer_idx)
+
+
+def is_mixed(config: Any) -> bool:
+    """Whether the drafter has both sliding-window and full-attention layers."""
+    windows = [layer_window(config, i) for i in range(config.num_hidden_layers)]
+    return any(w is None for w in windows) and any(w is not None for w in windows)
+
+
+def keep_full_kv_storage(attn: Any) -> None:
+    """Make ``attn`` report the KV cache spec of a full-attention layer (full storage) while its
+    impl keeps computing with ``attn.sliding_window``."""
+    original = attn.get_kv_cache_spec
+
+    def get_kv_cache_spec(*args, **kwargs):
+        window = attn.sliding_window
+        attn.sliding_window = None
+        try:
+            return original(*args, **kwargs)
+        finally:
+            attn.sliding_window = window
+
+    attn.get_kv_cache_spec = get_kv_cache_spec
+    attn.ddtree_full_kv_storage = True
+
+
+def symmetrize_window(attn: Any) -> None:
+    """FlashAttention-style impl windows ``(left, 0)`` become ``(left, left)`` (non-causal)."""
+    impl = getattr(attn, "impl", None)
+    window = getattr(impl, "sliding_window", None)
+    if isinstance(window, tuple) and len(window) == 2 and window[0] >= 0 and window[1] == 0:
+        impl.sliding_window = (window[0], window[0])
+
+
+def v2_runs_mixed_drafters() -> bool:
+    """Whether this drafter is being built for a V2 runner that runs mixed drafters itself
+    (multiple KV cache groups, per-group causality: vLLM 0.26.0+, recognised by
+    ``VllmConfig._dflash_needs_multi_kv_group``). Upstream behaviour is then kept."""
+    try:
+        from vllm.config import VllmConfig, get_current_vllm_config
+    except ImportError:
+        return False
+    if not hasattr(VllmConfig, "_dflash_needs_multi_kv_group"):
+        return False
+    return bool(getattr(get_current_vllm_config(), "use_v2_model_runner", False))
+
+
+def finish_draft_layer(config: Any, layer_idx: int, attn: Any, causal: bool, *, swa_abi: int,
+                       v2_upstream: bool | None = None) -> None:
+    """Called once per draft layer, right after its ``Attention`` is built. ``v2_upstream``:
+    see :func:`v2_runs_mixed_drafters` (None: ask vLLM)."""
+    _check_abi(swa_abi)
+    if getattr(attn, "sliding_window", None) is None:
+        return
+    if is_mixed(config):
+        if v2_upstream is None:
+            v2_upstream = v2_runs_mixed_drafters()
+        if not v2_upstream:
+            keep_full_kv_storage(attn)
+    if not causal:
+        symmetrize_window(attn)
