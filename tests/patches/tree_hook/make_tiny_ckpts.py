@@ -2,6 +2,8 @@
 Write two tiny random-weight checkpoints (real safetensors + config.json), with no vLLM import:
   ROOT/target : Qwen3ForCausalLM, 4 layers, hidden 128, vocab 1024
   ROOT/dflash : DFlash draft (architectures DFlashDraftModel), 1 layer, reads target layers [1, 2]
+                (env DRAFT_LAYER_TYPES="sliding_attention,full_attention" and DRAFT_WINDOW=4 give a
+                drafter of one layer per entry with those layer_types and that sliding_window)
 Weights use HF names. lm_head is scaled up so greedy argmax has wide margins (robust to bf16 batching noise).
 Every embedding has a constant +3 in coordinate 0; target lm_head row X=7 reads only that coordinate (weight XW), so
 the target emits 7 about half the time; the draft's lm_head row 7 reads it with weight 50, so the draft always
@@ -53,12 +55,16 @@ save_file(t, f"{root}/target/model.safetensors", metadata={"format": "pt"})
 
 # DFlash draft: no embed_tokens (shared from target), own lm_head, fc over 2 target layers
 os.makedirs(f"{root}/dflash", exist_ok=True)
-json.dump(dict(base, architectures=["DFlashDraftModel"], num_hidden_layers=1, block_size=4,
-               dflash_config={"mask_token_id": 1000, "target_layer_ids": [1, 2]}),
-          open(f"{root}/dflash/config.json", "w"), indent=1)
+layer_types = [t for t in os.environ.get("DRAFT_LAYER_TYPES", "").split(",") if t]
+draft = dict(base, architectures=["DFlashDraftModel"], num_hidden_layers=len(layer_types) or 1, block_size=4,
+             dflash_config={"mask_token_id": 1000, "target_layer_ids": [1, 2]})
+if layer_types:
+    draft.update(layer_types=layer_types, use_sliding_window=True, sliding_window=int(os.environ.get("DRAFT_WINDOW", "4")))
+json.dump(draft, open(f"{root}/dflash/config.json", "w"), indent=1)
 dhead = torch.randn(V, H, generator=g) * 0.5; dhead[X] = 0.0; dhead[X, 0] = 50.0
 d = {"fc.weight": rnd(H, 2 * H, std=0.05), "hidden_norm.weight": torch.ones(H, dtype=dtype),
      "norm.weight": torch.ones(H, dtype=dtype), "lm_head.weight": dhead.to(dtype)}
-d.update(layer("layers.0"))
+for i in range(draft["num_hidden_layers"]):
+    d.update(layer(f"layers.{i}"))
 save_file(d, f"{root}/dflash/model.safetensors", metadata={"format": "pt"})
 print("wrote", root, "target tensors", len(t), "draft tensors", len(d))

