@@ -150,10 +150,6 @@ def _def(name: str):  # the FunctionDef itself (a rule on the site's own node)
 
 
 # ---- qwen3_dflash.py --------------------------------------------------------------------------
-def _attention_call():  # Attention(...) inside DFlashQwen3Attention.__init__
-    return m.Call(func=m.Name("Attention"))
-
-
 def _per_layer_window_kwarg():  # upstream (0.25.0+): Attention(..., per_layer_sliding_window=...)
     return m.Arg(keyword=m.Name("per_layer_sliding_window"))
 
@@ -254,7 +250,6 @@ LAYER_025 = Site(
            "`self.self_attn = DFlashQwen3Attention(...)`",
     unfixed=_self_attn_line,
     rewrite=_rules_rewrite((_self_attn_line, _around_self_attn(resolve=False))),
-    applies=lambda module, node: "_resolve_layer_attention(config, layer_idx)" in module.code_for_node(node),
 )
 
 
