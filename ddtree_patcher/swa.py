@@ -12,7 +12,13 @@ calls while the drafter is built (once per layer, never per step). Imports nothi
     rewritten proposer then gives each window its own draft attention group, whose spec carries
     the window (``FullAttentionSpec.sliding_window``: "full storage, windowed compute");
   - a non-causal sliding layer gets a symmetric FlashAttention window ``(w-1, w-1)`` instead of
-    ``(w-1, 0)`` (0.20.0-0.24.0 never symmetrise; later releases do it themselves).
+    ``(w-1, 0)`` (0.20.0-0.24.0 never symmetrise; later releases do it themselves);
+  - the layer's causality is written on it (``attn.ddtree_causal``) for :func:`causal_draft_groups`.
+
+* :func:`causal_draft_groups` runs in V1's ``DFlashProposer.build_per_group_and_layer_attn_metadata``
+  (each draft step): V1 builds one draft metadata with the drafter-wide causality (non-causal as
+  soon as one layer is), so the draft attention groups whose layers are all causal (the sliding
+  layers of a z-lab drafter) get their metadata rebuilt as causal, as V2 does per KV group.
 
 All-sliding and all-full drafters keep upstream behaviour (nothing is changed for them here), and
 so do mixed drafters built for a V2 runner that supports them (0.26.0+).
@@ -130,6 +136,7 @@ def finish_draft_layer(config: Any, layer_idx: int, attn: Any, causal: bool, *, 
     """Called once per draft layer, right after its ``Attention`` is built. ``v2_upstream``:
     see :func:`v2_runs_mixed_drafters` (None: ask vLLM)."""
     _check_abi(swa_abi)
+    attn.ddtree_causal = bool(causal)
     if getattr(attn, "sliding_window", None) is None:
         return
     if is_mixed(config):
@@ -139,3 +146,32 @@ def finish_draft_layer(config: Any, layer_idx: int, attn: Any, causal: bool, *, 
             keep_full_kv_storage(attn)
     if not causal:
         symmetrize_window(attn)
+
+
+def causal_draft_groups(proposer: Any, cad: Any, draft_index: int, per_group: list, per_layer: dict, *,
+                        swa_abi: int) -> tuple[list, dict]:
+    """``(per_group, per_layer)`` with the metadata of every all-causal draft attention group
+    rebuilt as causal when the step's common metadata is non-causal. Which groups are causal is
+    decided once per proposer (``proposer.ddtree_causal_groups``); a drafter without such groups
+    costs one dict lookup and a comparison per step."""
+    groups = proposer.__dict__.get("ddtree_causal_groups")
+    if groups is None:
+        _check_abi(swa_abi)
+        layers = proposer.vllm_config.compilation_config.static_forward_context
+        groups = proposer.ddtree_causal_groups = [
+            i for i, g in enumerate(proposer.draft_attn_groups)
+            if g.layer_names and all(getattr(layers.get(n), "ddtree_causal", False) for n in g.layer_names)]
+    if not groups or getattr(cad, "causal", None) is not False:
+        return per_group, per_layer
+    import dataclasses
+
+    causal_cad = dataclasses.replace(cad, causal=True)
+    per_group, per_layer = list(per_group), dict(per_layer)
+    for i in groups:
+        group = proposer.draft_attn_groups[i]
+        metadata = group.get_metadata_builder().build_for_drafting(common_attn_metadata=causal_cad,
+                                                                    draft_index=draft_index)
+        per_group[i] = metadata
+        for name in group.layer_names:
+            per_layer[name] = metadata
+    return per_group, per_layer

