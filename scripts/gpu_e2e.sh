@@ -54,14 +54,14 @@ python3 -m ddtree_patcher.cli apply --vllm-path /tmp/site --patch tree-walk-hook
 python3 -m ddtree_patcher.cli verify --vllm-path /tmp/site 2>&1 | tee -a "$O/apply.log"
 grep -c "ddtree-patch: tree-walk-hook" /tmp/site/vllm/v1/worker/gpu_model_runner.py /tmp/site/vllm/v1/worker/gpu/model_runner.py
 
-ph ckpt; python3 "$REPO/tests/patches/tree_hook/make_tiny_ckpts.py" $ROOT
+ph ckpt; python3 "$REPO/tests/patches/engine_tools/make_tiny_ckpts.py" $ROOT
 for cfg in "v2-nospec 0 - -" "v2-tree 1 - 1" "v1-nospec 0 0 -" "v1-tree 1 0 1" "v2-spec-off 1 - -"; do
   set -- $cfg
   left=$(( ${BUDGET:-540} - ($(date +%s) - T0) ))
   if [ $left -lt 70 ]; then echo "SKIP $1 (no time left)"; continue; fi
   ph "$1 (limit $(( left < 200 ? left : 200 ))s)"
   ( [ "$3" != "-" ] && export VLLM_USE_V2_MODEL_RUNNER=$3; [ "$4" != "-" ] && export DDTREE_PATCH_CHAIN_AS_TREE=1
-    TAG=$1 SPEC=$2 EAGER=1 timeout $(( left < 200 ? left : 200 )) python3 "$REPO/tests/patches/tree_hook/run_llm_hook.py" > "$O/$1.log" 2>&1 )
+    TAG=$1 SPEC=$2 EAGER=1 timeout $(( left < 200 ? left : 200 )) python3 "$REPO/tests/patches/engine_tools/run_llm_hook.py" > "$O/$1.log" 2>&1 )
   echo "rc=$?"
   grep -E "Error|Traceback|ddtree-patch|Model Runner|model runner" "$O/$1.log" | cut -c1-300 | head -20
   grep -h "^RESULT " "$O/$1.log" >> "$O/results.jsonl"   # whole lines: the comparison reads them

@@ -32,7 +32,7 @@ export PYTHONPATH=/tmp/site:/tmp/tools:$REPO PYTHONUNBUFFERED=1 VLLM_ENABLE_V1_M
 
 ph ckpt
 DRAFT_LAYER_TYPES=sliding_attention,full_attention DRAFT_WINDOW=4 \
-  python3 "$REPO/tests/patches/tree_hook/make_tiny_ckpts.py" $ROOT
+  python3 "$REPO/tests/patches/engine_tools/make_tiny_ckpts.py" $ROOT
 
 one() {  # one TAG SPEC RUNNER(0|1|-) [ENV=VALUE ...]
   local tag=$1 spec=$2 runner=$3; shift 3
@@ -41,7 +41,7 @@ one() {  # one TAG SPEC RUNNER(0|1|-) [ENV=VALUE ...]
   ph "$tag (limit $(( left < 180 ? left : 180 ))s)"
   ( [ "$runner" != "-" ] && export VLLM_USE_V2_MODEL_RUNNER=$runner
     env TAG=$tag SPEC=$spec EAGER=1 "$@" timeout $(( left < 180 ? left : 180 )) \
-      python3 "$REPO/tests/patches/tree_hook/run_llm_hook.py" > "$O/$tag.log" 2>&1 )
+      python3 "$REPO/tests/patches/engine_tools/run_llm_hook.py" > "$O/$tag.log" 2>&1 )
   echo "rc=$?"
   grep -E "Error|ddtree-patch|Model Runner|model runner|FLASH|backend" "$O/$tag.log" | cut -c1-250 | head -8
 }

@@ -36,7 +36,7 @@ from ddtree_patcher.state import sha256
 from ddtree_patcher.target import read_record
 
 HERE = Path(__file__).resolve().parent
-TOOLS = HERE / "tree_hook"
+TOOLS = HERE / "engine_tools"
 sys.path.insert(0, str(HERE / "prefix_cache"))
 from overlay import overlay_site  # noqa: E402
 

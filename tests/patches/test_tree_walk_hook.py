@@ -2,7 +2,7 @@
 
 * structure: status and variant per release, verified shapes, apply -> verify -> revert;
 * (a) + (c) unit level, official vLLM 0.28.0 sources, Triton interpreter on CPU
-  (tree_hook/unit_probe.py in one subprocess): the patched V1 ``_sample`` with a tree batch is
+  (engine_tools/unit_probe.py in one subprocess): the patched V1 ``_sample`` with a tree batch is
   the reference tree walk, with a linear batch it is the pristine ``_sample``; the patched V2
   ``sample`` with a tree batch, with chunked prefill, and its fallback;
 * the boot guard (``ddtree_patcher.guard``): intact, inactive, drifted, ABI mismatch, warn;
@@ -34,7 +34,7 @@ from ddtree_patcher.state import sha256
 from ddtree_patcher.target import read_record
 
 HERE = Path(__file__).resolve().parent
-TOOLS = HERE / "tree_hook"
+TOOLS = HERE / "engine_tools"
 sys.path.insert(0, str(HERE / "prefix_cache"))
 from overlay import overlay_site  # noqa: E402
 
