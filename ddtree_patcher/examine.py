@@ -146,3 +146,14 @@ def mark_line(line: cst.SimpleStatementLine, patch_id: str) -> cst.SimpleStateme
     return line.with_changes(trailing_whitespace=marked(line.trailing_whitespace, patch_id))
 
 
+
+
+def mark_comma(node, patch_id: str):
+    """``node`` (a Param, Arg or Element on its own line: ``,`` then a newline) with the patch's
+    marker at the end of its line. Not on its own line: returned unchanged (left unmarked)."""
+    comma = node.comma
+    ws = getattr(comma, "whitespace_after", None)
+    if not isinstance(ws, cst.ParenthesizedWhitespace):
+        return node
+    return node.with_changes(comma=comma.with_changes(whitespace_after=ws.with_changes(
+        first_line=marked(ws.first_line, patch_id))))

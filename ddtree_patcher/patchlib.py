@@ -123,3 +123,64 @@ def replace_and_mark(matcher: Matcher, replace: Callable[[Any], Any]) -> Callabl
         return ReplaceAndMark(patch_id, matcher(), replace)
 
     return make
+
+
+def rules_rewrite(*rules) -> Callable[[str], Any]:
+    """A ``Site.rewrite``: ``rules`` are (matcher function, action(node) -> node) pairs; every
+    node matching a rule is rewritten by its action (which marks the changed lines) and counted."""
+
+    def make(patch_id: str):
+        from ddtree_patcher.examine import CountingTransformer
+
+        class RulesTransformer(CountingTransformer):
+            def __init__(self):
+                super().__init__(patch_id)
+                self.rules = [(matcher(), action) for matcher, action in rules]
+
+            def on_leave(self, original_node, updated_node):
+                for matcher, action in self.rules:
+                    if m.matches(original_node, matcher):
+                        self.matches += 1
+                        return action(updated_node)
+                return updated_node
+
+        return RulesTransformer()
+
+    return make
+
+
+def any_of(*matchers: Matcher) -> Matcher:
+    return lambda: m.OneOf(*(f() for f in matchers))
+
+
+def never():
+    """An anchor that matches nothing (see :func:`absent_site`)."""
+    return m.Name("__ddtree_patch_never__")
+
+
+def absent_site(function: str, anchor: str, present: str) -> Site:
+    """The only site of a variant for releases that lack ``present`` (a qualified name): there the
+    file is not applicable; where ``present`` exists this variant never matches, so another
+    variant must recognise the file (or it is refused) — never a silent skip."""
+
+    def has(module, node) -> bool:
+        from ddtree_patcher.cst_helpers import find_def
+
+        return find_def(module, present) is not None
+
+    return Site(function=function, anchor=anchor, unfixed=never, rewrite=rules_rewrite(), applies=has)
+
+
+def runtime_abi(module: str, attr: str, python: str | None) -> tuple[int | None, str]:
+    """``(ABI, where)``: ``module.attr``, the ABI a runtime module of ours speaks in vLLM's
+    interpreter (``python``, else this one). When ``python`` cannot import the module:
+    ``(None, its last error line)``."""
+    if python is None:
+        return getattr(importlib.import_module(module), attr), "this interpreter"
+    import subprocess
+
+    proc = subprocess.run([python, "-c", f"import {module} as m; print(m.{attr})"],
+                          capture_output=True, text=True, cwd="/")
+    if proc.returncode != 0:
+        return None, (proc.stderr.strip().splitlines() or ["?"])[-1]
+    return int(proc.stdout.strip()), python

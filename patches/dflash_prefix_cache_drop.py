@@ -28,7 +28,7 @@ Shapes, chosen by code shape (never by version):
 
 from __future__ import annotations
 
-from ddtree_patcher.patchlib import Patch, PatchFile, Site, Variant, cst, m
+from ddtree_patcher.patchlib import Patch, PatchFile, Site, Variant, absent_site, any_of, cst, m, rules_rewrite
 
 ID = "dflash-prefix-cache-drop"
 MARK = f"# ddtree-patch: {ID}"
@@ -57,10 +57,6 @@ def _and(left, right):
     return m.BooleanOperation(left=left, operator=m.And(), right=right)
 
 
-def _never():  # an anchor that matches nothing (see _NO_PREDICATE)
-    return m.Name("__ddtree_patch_never__")
-
-
 # ---- marking: the marker goes on every physical line that changes ---------------------------
 def _mark_line(line):
     from ddtree_patcher.examine import mark_line
@@ -74,43 +70,10 @@ def _mark_header(node):  # "if ...:  # marker"
     return node.with_changes(body=node.body.with_changes(header=marked(node.body.header, ID)))
 
 
-def _mark_arg(arg):  # "    keyword=value,  # marker" (an argument on its own line)
-    comma = arg.comma
-    ws = getattr(comma, "whitespace_after", None)
-    if not isinstance(ws, cst.ParenthesizedWhitespace):
-        return arg  # not on its own line: left unmarked, and the engine refuses the result
-    from ddtree_patcher.examine import marked
+def _mark_arg(arg):  # "    keyword=value,  # marker" (not on its own line: unmarked, then refused)
+    from ddtree_patcher.examine import mark_comma
 
-    return arg.with_changes(comma=comma.with_changes(whitespace_after=ws.with_changes(
-        first_line=marked(ws.first_line, ID))))
-
-
-def _rules_rewrite(*rules):
-    """A ``Site.rewrite``: ``rules`` are (matcher function, action(node) -> node) pairs; every
-    node matching a rule is rewritten by its action (which marks the changed lines) and counted."""
-
-    def make(patch_id: str):
-        from ddtree_patcher.examine import CountingTransformer
-
-        class RulesTransformer(CountingTransformer):
-            def __init__(self):
-                super().__init__(patch_id)
-                self.rules = [(matcher(), action) for matcher, action in rules]
-
-            def on_leave(self, original_node, updated_node):
-                for matcher, action in self.rules:
-                    if m.matches(original_node, matcher):
-                        self.matches += 1
-                        return action(updated_node)
-                return updated_node
-
-        return RulesTransformer()
-
-    return make
-
-
-def _any_of(*matchers):
-    return lambda: m.OneOf(*(f() for f in matchers))
+    return mark_comma(arg, ID)
 
 
 # ---- 0.20.0-0.29.0: Scheduler.__init__ -------------------------------------------------------
@@ -152,8 +115,8 @@ INIT_020 = Site(
     function=INIT,
     anchor="`use_eagle=self.use_eagle` in KVCacheManager(...) and `if speculative_config:` ending "
            "with `if speculative_config.uses_draft_model():` (no DFlash lookahead slot)",
-    unfixed=_any_of(_use_eagle_kwarg, _spec_block_without_dflash_slot),
-    rewrite=_rules_rewrite((_use_eagle_kwarg, _drop_unless_dflash), (_spec_block_without_dflash_slot, _add_dflash_slot)),
+    unfixed=any_of(_use_eagle_kwarg, _spec_block_without_dflash_slot),
+    rewrite=rules_rewrite((_use_eagle_kwarg, _drop_unless_dflash), (_spec_block_without_dflash_slot, _add_dflash_slot)),
     expect=2,
 )
 
@@ -161,7 +124,7 @@ INIT_023 = Site(
     function=INIT,
     anchor="`use_eagle=self.use_eagle` in KVCacheManager(...)",
     unfixed=_use_eagle_kwarg,
-    rewrite=_rules_rewrite((_use_eagle_kwarg, _drop_unless_dflash)),
+    rewrite=rules_rewrite((_use_eagle_kwarg, _drop_unless_dflash)),
 )
 
 
@@ -179,7 +142,7 @@ SPLIT_020 = Site(
     function=SPLIT,
     anchor="`if self.use_eagle:` (eagle prune of last_cache_position)",
     unfixed=_if_use_eagle,
-    rewrite=_rules_rewrite((_if_use_eagle, _if_drop_unless_dflash)),
+    rewrite=rules_rewrite((_if_use_eagle, _if_drop_unless_dflash)),
 )
 
 
@@ -204,24 +167,13 @@ PREDICATE_030 = Site(
     anchor="`return self.use_eagle() and not self.disable_eagle_block_drop`",
     unfixed=_predicate_line,
     fixed=_predicate_upstream,
-    rewrite=_rules_rewrite((_predicate_line, _predicate_excludes_dflash)),
+    rewrite=rules_rewrite((_predicate_line, _predicate_excludes_dflash)),
 )
 
 # 0.20.0-0.29.0 have no block-drop predicate (the scheduler variants fix the drop): the file is
 # not applicable there. Where the predicate exists this variant never matches (anchor: nothing).
-_NO_PREDICATE = Site(
-    function=USE_EAGLE,
-    anchor="SpeculativeConfig.use_eagle_block_drop is absent (the drop is fixed in the scheduler)",
-    unfixed=_never,
-    rewrite=_rules_rewrite(),  # never pending, so never run
-    applies=lambda module, node: _has_predicate(module),
-)
-
-
-def _has_predicate(module) -> bool:
-    from ddtree_patcher.cst_helpers import find_def
-
-    return find_def(module, PREDICATE) is not None
+_NO_PREDICATE = absent_site(
+    USE_EAGLE, "SpeculativeConfig.use_eagle_block_drop is absent (the drop is fixed in the scheduler)", PREDICATE)
 
 
 # ---- 0.30.0-0.32.0: the "block dropping is disabled" warning in Scheduler.__init__ ----------
@@ -244,7 +196,7 @@ WARNING_030 = Site(
     anchor="`if self.use_eagle and not self.use_eagle_block_drop:` (block-drop-disabled warning)",
     unfixed=_warning_if,
     fixed=_warning_upstream,
-    rewrite=_rules_rewrite((_warning_if, _warn_unless_dflash)),
+    rewrite=rules_rewrite((_warning_if, _warn_unless_dflash)),
 )
 
 

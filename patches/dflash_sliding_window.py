@@ -39,7 +39,9 @@ selects V1). Not applicable before 0.20.0 (no DFlash).
 
 from __future__ import annotations
 
-from ddtree_patcher.patchlib import Patch, PatchFile, Site, Variant, cst, m
+from ddtree_patcher.patchlib import (
+    Patch, PatchFile, Site, Variant, absent_site, any_of, cst, m, rules_rewrite, runtime_abi,
+)
 
 ID = "dflash-sliding-window"
 MARK = f"# ddtree-patch: {ID}"
@@ -73,12 +75,10 @@ def _mark_line(line):
     return mark_line(line, ID)
 
 
-def _mark_comma(node):
-    """``node`` (a Param or Arg on its own line, followed by ``,`` and a newline) with the marker
-    at the end of its line."""
-    ws = node.comma.whitespace_after
-    return node.with_changes(comma=node.comma.with_changes(
-        whitespace_after=ws.with_changes(first_line=_marked(ws.first_line))))
+def _mark_comma(node):  # a Param or Arg on its own line: marker at the end of that line
+    from ddtree_patcher.examine import mark_comma
+
+    return mark_comma(node, ID)
 
 
 def _own_line(node) -> bool:
@@ -123,33 +123,6 @@ def _pass_marked(node, why: str):
     return line.with_changes(leading_lines=node.leading_lines)
 
 
-def _rules_rewrite(*rules):
-    """A ``Site.rewrite``: ``rules`` are (matcher function, action(node) -> node) pairs."""
-
-    def make(patch_id: str):
-        from ddtree_patcher.examine import CountingTransformer
-
-        class RulesTransformer(CountingTransformer):
-            def __init__(self):
-                super().__init__(patch_id)
-                self.rules = [(matcher(), action) for matcher, action in rules]
-
-            def on_leave(self, original_node, updated_node):
-                for matcher, action in self.rules:
-                    if m.matches(original_node, matcher):
-                        self.matches += 1
-                        return action(updated_node)
-                return updated_node
-
-        return RulesTransformer()
-
-    return make
-
-
-def _any_of(*matchers):
-    return lambda: m.OneOf(*(f() for f in matchers))
-
-
 def _def(name: str):  # the FunctionDef itself (a rule on the site's own node)
     return lambda: m.FunctionDef(name=m.Name(name))
 
@@ -168,9 +141,9 @@ ATTN_020 = Site(
     function=ATTN_INIT,
     anchor="`def __init__(..., attn_type: str = ...)` and `self.attn = Attention(...)` without "
            "`per_layer_sliding_window`",
-    unfixed=_any_of(_def("__init__"), _attention_call_without_window),
+    unfixed=any_of(_def("__init__"), _attention_call_without_window),
     fixed=_per_layer_window_kwarg,
-    rewrite=_rules_rewrite(
+    rewrite=rules_rewrite(
         (_def("__init__"), lambda fn: _with_param(fn, "sliding_window: int | None = None", kwonly=False)),
         (_attention_call_without_window, lambda call: _with_arg(call, "per_layer_sliding_window=sliding_window")),
     ),
@@ -189,7 +162,7 @@ MODEL_020 = Site(
     unfixed=_layer_call,
     fixed=lambda: m.Call(func=m.Name("DFlashQwen3DecoderLayer"),
                          args=[m.ZeroOrMore(), m.Arg(keyword=m.Name("layer_idx")), m.ZeroOrMore()]),
-    rewrite=_rules_rewrite((_layer_call, lambda call: _with_arg(call, "layer_idx=layer_idx"))),
+    rewrite=rules_rewrite((_layer_call, lambda call: _with_arg(call, "layer_idx=layer_idx"))),
 )
 
 
@@ -241,8 +214,8 @@ LAYER_020 = Site(
     function=LAYER_INIT,
     anchor="`def __init__(self, vllm_config, *, config, ...)` without `layer_idx` and "
            "`self.self_attn = DFlashQwen3Attention(...)`",
-    unfixed=_any_of(_layer_def_without_layer_idx, _self_attn_line),
-    rewrite=_rules_rewrite(
+    unfixed=any_of(_layer_def_without_layer_idx, _self_attn_line),
+    rewrite=rules_rewrite(
         (_layer_def_without_layer_idx, lambda fn: _with_param(fn, "layer_idx: int = 0", kwonly=True)),
         (_self_attn_line, _around_self_attn(resolve=True)),
     ),
@@ -254,7 +227,7 @@ LAYER_025 = Site(
     anchor="`sliding_window, causal = _resolve_layer_attention(config, layer_idx)` then "
            "`self.self_attn = DFlashQwen3Attention(...)`",
     unfixed=_self_attn_line,
-    rewrite=_rules_rewrite((_self_attn_line, _around_self_attn(resolve=False))),
+    rewrite=rules_rewrite((_self_attn_line, _around_self_attn(resolve=False))),
 )
 
 
@@ -267,7 +240,7 @@ GUARD_025 = Site(
     function=RESOLVE,
     anchor="`if <mixed sliding/full>: raise NotImplementedError(...)` (0.25: always; 0.26+: unless V2)",
     unfixed=_mixed_guard,
-    rewrite=_rules_rewrite((_mixed_guard, lambda node: _pass_marked(
+    rewrite=rules_rewrite((_mixed_guard, lambda node: _pass_marked(
         node, "mixed sliding/full drafters run on V1 too: full KV storage, per-layer windows"))),
 )
 
@@ -300,8 +273,8 @@ PROPOSER = Site(
     function=PROPOSER_FN,
     anchor="`backend_key = attn_backend.full_cls_name()` and `kv_cache_spec=layer_kv_cache_spec` in "
            "AttentionGroup(...)",
-    unfixed=_any_of(_backend_key_line, _group_spec_kwarg),
-    rewrite=_rules_rewrite((_backend_key_line, _windowed_key), (_group_spec_kwarg, _windowed_spec)),
+    unfixed=any_of(_backend_key_line, _group_spec_kwarg),
+    rewrite=rules_rewrite((_backend_key_line, _windowed_key), (_group_spec_kwarg, _windowed_spec)),
     expect=2,
 )
 
@@ -328,7 +301,7 @@ METADATA = Site(
     function=METADATA_FN,
     anchor="`return per_group, per_layer` (after the non-causal assertion)",
     unfixed=_return_groups,
-    rewrite=_rules_rewrite((_return_groups, _causal_groups_before_return)),
+    rewrite=rules_rewrite((_return_groups, _causal_groups_before_return)),
 )
 
 
@@ -381,8 +354,8 @@ RUNNER = Site(
     function=RUNNER_FN,
     anchor="`class AttentionGroupKey(NamedTuple)`, `key = (full_cls_name, layer_kv_cache_spec, ...)` and "
            "`... = AttentionGroupKey(...)`",
-    unfixed=_any_of(_group_key_class, _dedup_key_line, _group_key_line),
-    rewrite=_rules_rewrite((_group_key_class, _with_window_field), (_dedup_key_line, _windowed_dedup_key),
+    unfixed=any_of(_group_key_class, _dedup_key_line, _group_key_line),
+    rewrite=rules_rewrite((_group_key_class, _with_window_field), (_dedup_key_line, _windowed_dedup_key),
                            (_group_key_line, _windowed_group_key)),
     expect=3,
 )
@@ -397,24 +370,13 @@ UNSUPPORTED = Site(
     function=UNSUPPORTED_FN,
     anchor='`if self._dflash_needs_multi_kv_group(): unsupported.append("mixed sliding/full dflash drafts")`',
     unfixed=_unsupported_entry,
-    rewrite=_rules_rewrite((_unsupported_entry, lambda node: _pass_marked(
+    rewrite=rules_rewrite((_unsupported_entry, lambda node: _pass_marked(
         node, "mixed sliding/full DFlash drafts run on V1 too"))),
 )
 
 
-def _has_unsupported_list(module, node) -> bool:
-    from ddtree_patcher.cst_helpers import find_def
-
-    return find_def(module, UNSUPPORTED_FN) is not None
-
-
-_NO_UNSUPPORTED_LIST = Site(
-    function="VllmConfig",
-    anchor=f"{UNSUPPORTED_FN} is absent (V1 is refused in qwen3_dflash.py only)",
-    unfixed=lambda: m.Name("__ddtree_patch_never__"),
-    rewrite=_rules_rewrite(),  # never pending, so never run
-    applies=_has_unsupported_list,
-)
+_NO_UNSUPPORTED_LIST = absent_site(
+    "VllmConfig", f"{UNSUPPORTED_FN} is absent (V1 is refused in qwen3_dflash.py only)", UNSUPPORTED_FN)
 
 
 # ---- the patch --------------------------------------------------------------------------------
@@ -445,21 +407,10 @@ SHAPES_CONFIG = {UNSUPPORTED_FN: frozenset({"205518903fd1", "64e271cf2ff6", "675
 def _runtime(site, python: str | None) -> str | None:
     """The rewritten drafter imports ``ddtree_patcher.swa`` in vLLM's interpreter (``--python``,
     else the one running ddtree-patch): it must be importable there and speak the call sites' ABI."""
-    import subprocess
-
-    if python is None:
-        from ddtree_patcher.swa import SWA_ABI as abi
-
-        where = "this interpreter"
-    else:
-        where = python
-        proc = subprocess.run([python, "-c", "import ddtree_patcher.swa as s; print(s.SWA_ABI)"],
-                              capture_output=True, text=True, cwd="/")
-        if proc.returncode != 0:
-            last = (proc.stderr.strip().splitlines() or ["?"])[-1]
-            return (f"{python} cannot import ddtree_patcher.swa ({last}): the patched vLLM would fail to build "
-                    "any DFlash drafter; install ddtree-patch in that environment or `ddtree-patch revert`")
-        abi = int(proc.stdout.strip())
+    abi, where = runtime_abi("ddtree_patcher.swa", "SWA_ABI", python)
+    if abi is None:
+        return (f"{python} cannot import ddtree_patcher.swa ({where}): the patched vLLM would fail to build "
+                "any DFlash drafter; install ddtree-patch in that environment or `ddtree-patch revert`")
     if abi != SWA_ABI:
         return (f"the call sites speak sliding-window ABI {SWA_ABI} but ddtree_patcher.swa in {where} speaks "
                 f"{abi}: run `ddtree-patch revert && ddtree-patch apply` with the installed ddtree-patch")

@@ -29,7 +29,7 @@ Not applicable before 0.20.0 (no DFlash). Nothing is upstream.
 
 from __future__ import annotations
 
-from ddtree_patcher.patchlib import Patch, PatchFile, Site, Variant, cst, m
+from ddtree_patcher.patchlib import Patch, PatchFile, Site, Variant, cst, m, runtime_abi
 
 ID = "tree-walk-hook"
 MARK = f"# ddtree-patch: {ID}"
@@ -145,8 +145,6 @@ SHAPES_V2 = {V2_FN: frozenset({"d58876dc8445", "6a152f0c6da1", "cd371424437d", "
 def _runtime(site, python: str | None) -> str | None:
     """The call sites import ``ddtree_patcher.hook`` in vLLM's interpreter (``--python``, else
     the one running ddtree-patch): it must be importable there and speak the ABI written in them."""
-    import subprocess
-
     from ddtree_patcher.guard import _ABI_RE
 
     written = set()
@@ -155,19 +153,10 @@ def _runtime(site, python: str | None) -> str | None:
             written |= {int(a) for a in _ABI_RE.findall((site / rel).read_bytes())}
         except FileNotFoundError:
             pass
-    if python is None:
-        from ddtree_patcher.hook import HOOK_ABI as abi
-
-        where = "this interpreter"
-    else:
-        where = python
-        proc = subprocess.run([python, "-c", "import ddtree_patcher.hook as h; print(h.HOOK_ABI)"],
-                              capture_output=True, text=True, cwd="/")
-        if proc.returncode != 0:
-            last = (proc.stderr.strip().splitlines() or ["?"])[-1]
-            return (f"{python} cannot import ddtree_patcher.hook ({last}): the patched vLLM would fail when "
-                    "DDTree is requested; install ddtree-patch in that environment or `ddtree-patch revert`")
-        abi = int(proc.stdout.strip())
+    abi, where = runtime_abi("ddtree_patcher.hook", "HOOK_ABI", python)
+    if abi is None:
+        return (f"{python} cannot import ddtree_patcher.hook ({where}): the patched vLLM would fail when "
+                "DDTree is requested; install ddtree-patch in that environment or `ddtree-patch revert`")
     if written != {abi}:
         return (f"the call sites speak hook ABI {sorted(written)} but ddtree_patcher.hook in {where} speaks "
                 f"{abi}: run `ddtree-patch revert && ddtree-patch apply` with the installed ddtree-patch")
