@@ -49,3 +49,32 @@ def added_lines(before: bytes, after: bytes) -> list[str]:
     return [line[1:] for line in difflib.unified_diff(before.decode().splitlines(), after.decode().splitlines(),
                                                       lineterm="", n=0)
             if line.startswith("+") and not line.startswith("+++")]
+
+
+ENGINE_TOOLS = REPO / "tests" / "patches" / "engine_tools"
+
+
+def cpu_env(**extra) -> dict:
+    """The environment for a subprocess running vLLM on CPU (Triton interpreter), without the
+    settings of ours or vLLM's that would change which code runs; ``extra`` on top."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1", "VLLM_LOGGING_LEVEL": "INFO"}
+    for k in ("VLLM_TARGET_DEVICE", "DDTREE_PATCH_ENABLE", "DDTREE_PATCH_CHAIN_AS_TREE", "DDTREE_PATCH_ON_DRIFT",
+              "VLLM_USE_V2_MODEL_RUNNER", "PYTHONPATH"):
+        env.pop(k, None)
+    env.update(extra)
+    return env
+
+
+def engine_run(tag: str, path: str, ckpt: Path, log: Path, spec: bool, **env) -> dict:
+    """One ``engine_tools/run_llm_hook.py`` run on CPU with vLLM from ``path`` (PYTHONPATH) and the
+    tiny checkpoints at ``ckpt``: its RESULT (``{"ok": False, ...}`` when it printed none), with
+    ``log`` (stderr, then stdout) under "log"."""
+    e = cpu_env(PYTHONPATH=path, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", CPU="1",
+                DTYPE="float32", ROOT=str(ckpt), TAG=tag, SPEC="1" if spec else "0", EAGER="1", **env)
+    with open(log, "w") as fh:
+        proc = subprocess.run([sys.executable, str(ENGINE_TOOLS / "run_llm_hook.py")], stdout=subprocess.PIPE,
+                              stderr=fh, text=True, timeout=600, env=e, cwd=str(log.parent))
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    res = json.loads(lines[-1][len("RESULT "):]) if lines else {"ok": False, "error": f"no RESULT line (exit {proc.returncode})"}
+    res["log"] = log.read_text() + proc.stdout
+    return res

