@@ -100,7 +100,10 @@ def rewrite(patch: Patch, pfile: PatchFile, module: cst.Module, finding: Finding
         if node is None:  # pragma: no cover - examine() saw it a moment ago
             raise RewriteError(f"{pfile.path}: {site.function}: function vanished while rewriting")
         transformer = site.rewrite(patch.id)
-        new = node.visit(transformer)
+        try:
+            new = node.visit(transformer)
+        except RewriteError as exc:  # a transformer refusing the layout it found
+            raise RewriteError(f"{pfile.path}: {site.function}: {exc}") from exc
         if transformer.matches != site.expect:
             raise RewriteError(
                 f"{pfile.path}: {site.function}: rewrite of anchor {site.anchor} matched "

@@ -93,7 +93,7 @@ def _append(items, new):
     if not (_own_line(last) and head and _own_line(head[-1])):
         from ddtree_patcher.examine import RewriteError
 
-        raise RewriteError(f"{ID}: expected one parameter or argument per line, with a trailing comma")
+        raise RewriteError("expected one parameter or argument per line, each with a trailing comma")
     new = new.with_changes(comma=last.comma)
     return [*head, last.with_changes(comma=head[-1].comma), _mark_comma(new)]
 

@@ -148,6 +148,31 @@ def test_apply_verify_revert_is_byte_exact(version, make_site, cli):
         assert sha256(pristine[rel]) == record[rel], rel
 
 
+def test_unexpected_layout_is_refused_naming_file_and_function(make_site, cli):
+    """Arguments the rewrite cannot lay out as vLLM does (one per line) are a refusal, exit 3,
+    nothing changed. A source tree (no RECORD), so the edit is judged by shape; --allow-untested
+    gets past the shape check to the rewrite itself."""
+    import shutil
+
+    site = make_site("0.24.0")
+    for info in site.glob("*.dist-info"):
+        shutil.rmtree(info)
+    model = site / P.DFLASH_PY
+    text = model.read_text()
+    one_line = ("DFlashQwen3DecoderLayer(current_vllm_config, config=self.config, "
+                "cache_config=current_vllm_config.cache_config, quant_config=self.quant_config, "
+                'prefix=maybe_prefix(prefix, f"layers.{layer_idx + start_layer_id}"))')
+    start = text.index("DFlashQwen3DecoderLayer(\n")
+    end = text.index(")\n", text.index("prefix=maybe_prefix(prefix, f\"layers.", start)) + 1
+    edited = text[:start] + one_line + text[end:]
+    model.write_text(edited)
+    before = tree_bytes(site)
+    rc, doc, err = cli("apply", "--vllm-path", str(site), "--patch", ID, "--allow-untested", "--json")
+    assert rc == 3, err
+    assert (f"{P.DFLASH_PY}: {P.MODEL_INIT}: expected one parameter or argument per line" in err), err
+    assert tree_bytes(site) == before and not (site / ".ddtree-patch" / "state.json").exists()
+
+
 def test_not_applicable_release_is_untouched(make_site, cli):
     site = make_site("0.19.1")
     pristine = tree_bytes(site)
