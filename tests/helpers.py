@@ -78,3 +78,24 @@ def engine_run(tag: str, path: str, ckpt: Path, log: Path, spec: bool, **env) ->
     res = json.loads(lines[-1][len("RESULT "):]) if lines else {"ok": False, "error": f"no RESULT line (exit {proc.returncode})"}
     res["log"] = log.read_text() + proc.stdout
     return res
+
+
+def assert_shapes_are_those_of_the_wheels(patch, claimed=lambda version, path, variant: True) -> None:
+    """Every shape hash a variant lists is the pristine ``cst`` hash of its function in a release
+    the variant was verified on (``claimed(version, path, variant name)`` narrows which releases
+    count, e.g. only those where the variant is the one expected to be pending)."""
+    import libcst as cst
+
+    import vllm_wheels
+    from ddtree_patcher import cst_helpers as h
+
+    for pf in patch.files:
+        for variant in pf.variants:
+            for fn, hashes in variant.shapes.items():
+                seen = set()
+                for version in variant.verified_on:
+                    if not claimed(version, pf.path, variant.name):
+                        continue
+                    module = cst.parse_module((vllm_wheels.extracted(version) / pf.path).read_bytes())
+                    seen.add(h.shape_hash(module, h.find_def(module, fn)))
+                assert seen == set(hashes), (pf.path, variant.name, fn, seen)

@@ -13,8 +13,7 @@ import libcst as cst
 import pytest
 
 import vllm_wheels
-from helpers import added_lines, statuses, tree_bytes
-from ddtree_patcher import cst_helpers as h
+from helpers import added_lines, assert_shapes_are_those_of_the_wheels, statuses, tree_bytes
 from ddtree_patcher.engine import series
 from ddtree_patcher.examine import examine
 from ddtree_patcher.patches import dflash_prefix_cache_drop as P
@@ -139,14 +138,7 @@ def test_apply_is_a_no_op_where_not_pending(version, make_site, cli):
 
 def test_shape_hashes_are_those_of_the_wheels():
     """Every hash listed in a variant is the pristine shape of a release it claims."""
-    for pf in P.PATCH.files:
-        for variant in pf.variants:
-            for fn, hashes in variant.shapes.items():
-                seen = set()
-                for version in variant.verified_on:
-                    module = cst.parse_module((vllm_wheels.extracted(version) / pf.path).read_bytes())
-                    seen.add(h.shape_hash(module, h.find_def(module, fn)))
-                assert seen == set(hashes), (pf.path, variant.name, fn)
+    assert_shapes_are_those_of_the_wheels(P.PATCH)
 
 
 # ---- behaviour: a real Scheduler + KVCacheManager, pristine vs patched ----------------------------

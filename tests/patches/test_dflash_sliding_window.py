@@ -26,8 +26,7 @@ import libcst as cst
 import pytest
 
 import vllm_wheels
-from helpers import ENGINE_TOOLS as TOOLS, added_lines, cpu_env, engine_run, statuses, tree_bytes
-from ddtree_patcher import cst_helpers as h
+from helpers import added_lines, assert_shapes_are_those_of_the_wheels, cpu_env, engine_run, ENGINE_TOOLS as TOOLS, statuses, tree_bytes
 from ddtree_patcher import swa
 from ddtree_patcher.engine import series
 from ddtree_patcher.examine import examine
@@ -95,16 +94,8 @@ def test_variant_per_release_on_a_verified_shape(version):
 
 
 def test_shape_hashes_are_those_of_the_wheels():
-    for pf in P.PATCH.files:
-        for variant in pf.variants:
-            for fn, hashes in variant.shapes.items():
-                seen = set()
-                for version in variant.verified_on:
-                    if expected_variants(version)[pf.path] != (variant.name, "pending"):
-                        continue
-                    module = cst.parse_module((vllm_wheels.extracted(version) / pf.path).read_bytes())
-                    seen.add(h.shape_hash(module, h.find_def(module, fn)))
-                assert seen == set(hashes), (pf.path, variant.name, fn, seen)
+    assert_shapes_are_those_of_the_wheels(
+        P.PATCH, lambda version, path, variant: expected_variants(version)[path] == (variant, "pending"))
 
 
 def _marked_count(rel: str, version: str) -> int:

@@ -24,8 +24,7 @@ import libcst as cst
 import pytest
 
 import vllm_wheels
-from helpers import ENGINE_TOOLS as TOOLS, REPO, added_lines, cpu_env, engine_run, statuses, tree_bytes
-from ddtree_patcher import cst_helpers as h
+from helpers import added_lines, assert_shapes_are_those_of_the_wheels, cpu_env, engine_run, ENGINE_TOOLS as TOOLS, REPO, statuses, tree_bytes
 from ddtree_patcher import hook
 from ddtree_patcher.engine import series
 from ddtree_patcher.examine import examine
@@ -90,16 +89,8 @@ def test_variant_per_release_on_a_verified_shape(version):
 
 
 def test_shape_hashes_are_those_of_the_wheels():
-    for pf in P.PATCH.files:
-        for variant in pf.variants:
-            for fn, hashes in variant.shapes.items():
-                seen = set()
-                for version in variant.verified_on:
-                    if expected_variants(version)[pf.path][1] != "pending":
-                        continue
-                    module = cst.parse_module((vllm_wheels.extracted(version) / pf.path).read_bytes())
-                    seen.add(h.shape_hash(module, h.find_def(module, fn)))
-                assert seen == set(hashes), (pf.path, variant.name, fn, seen)
+    assert_shapes_are_those_of_the_wheels(
+        P.PATCH, lambda version, path, variant: expected_variants(version)[path][1] == "pending")
 
 
 ROUND_TRIP = ("0.20.0", "0.22.0", "0.24.0", "0.29.0", "0.33.0")
