@@ -13,20 +13,20 @@ Rewrites, chosen by code shape (never by version):
 ``vllm/model_executor/models/qwen3_dflash.py``
   * ``resolve-0.20`` (0.20.0-0.24.0): ``DFlashQwen3Model.__init__`` passes ``layer_idx`` to each
     ``DFlashQwen3DecoderLayer``; the layer resolves ``(sliding_window, causal)`` with
-    ``ddtree_patcher.swa.resolve_layer_attention`` (0.28's resolver) and passes the window to
+    ``ddtree_patcher.runtime.swa.resolve_layer_attention`` (0.28's resolver) and passes the window to
     ``DFlashQwen3Attention``, which passes ``per_layer_sliding_window=`` to its ``Attention``.
     Upstream marker: the keyword ``per_layer_sliding_window`` (0.25.0+).
   * ``guard-0.25`` (0.25.0-0.33.0): the ``raise NotImplementedError`` for mixed drafters in
     ``_resolve_layer_attention`` (0.25: always; 0.26+: unless V2) becomes ``pass``.
   * both: after ``self.self_attn = DFlashQwen3Attention(...)`` the layer calls
-    ``ddtree_patcher.swa.finish_draft_layer`` (full KV storage for the sliding layers of a mixed
+    ``ddtree_patcher.runtime.swa.finish_draft_layer`` (full KV storage for the sliding layers of a mixed
     drafter; symmetric window for non-causal sliding layers).
 ``vllm/v1/spec_decode/llm_base_proposer.py`` (all): ``SpecDecodeBaseProposer.initialize_attn_backend``
   keys draft attention groups by ``(backend, layer window)`` and gives a windowed group a spec that
   carries the window (so FlashAttention 0.25-0.27, which takes the window from the group spec, and
   every builder see it).
 ``vllm/v1/spec_decode/dflash.py`` (all): ``DFlashProposer.build_per_group_and_layer_attn_metadata``
-  rebuilds, through ``ddtree_patcher.swa.causal_draft_groups``, the metadata of the draft groups
+  rebuilds, through ``ddtree_patcher.runtime.swa.causal_draft_groups``, the metadata of the draft groups
   whose layers are all causal as causal (V1 builds one drafter-wide causality; V2 has per-group).
 ``vllm/v1/worker/gpu_model_runner.py`` (all): the runner's ``AttentionGroupKey`` gains the layer's
   window (#50707: FlashInfer needs one window per metadata builder).
@@ -45,7 +45,7 @@ from ddtree_patcher.patchlib import (
 
 ID = "dflash-sliding-window"
 MARK = f"# ddtree-patch: {ID}"
-SWA_ABI = 1  # must equal ddtree_patcher.swa.SWA_ABI; written into every call site
+SWA_ABI = 2  # must equal ddtree_patcher.runtime.swa.SWA_ABI; written into every call site
 DFLASH_PY = "vllm/model_executor/models/qwen3_dflash.py"
 PROPOSER_PY = "vllm/v1/spec_decode/llm_base_proposer.py"
 DFLASH_PROPOSER_PY = "vllm/v1/spec_decode/dflash.py"
@@ -173,11 +173,11 @@ def _self_attn_line():  # self.self_attn = DFlashQwen3Attention(...)
 
 
 MISSING = ("ddtree-patch: this vLLM is patched with dflash-sliding-window, whose runtime "
-           "ddtree_patcher.swa cannot be imported: install ddtree-patch in this environment or run "
+           "ddtree_patcher.runtime.swa cannot be imported: install ddtree-patch in this environment or run "
            "`ddtree-patch revert`")
 IMPORT = f"""\
 try:  {MARK}
-    from ddtree_patcher import swa as _ddtree_swa  {MARK}
+    from ddtree_patcher.runtime import swa as _ddtree_swa  {MARK}
 except ImportError as _ddtree_err:  {MARK}
     raise RuntimeError({MISSING!r}) from _ddtree_err  {MARK}
 """
@@ -286,7 +286,7 @@ def _return_groups():  # return per_group, per_layer
 
 
 CAUSAL_GROUPS = f"""\
-from ddtree_patcher.swa import causal_draft_groups as _ddtree_causal_groups  {MARK}
+from ddtree_patcher.runtime.swa import causal_draft_groups as _ddtree_causal_groups  {MARK}
 per_group, per_layer = _ddtree_causal_groups(self, cad, draft_index, per_group, per_layer, swa_abi={SWA_ABI})  {MARK}
 """
 
@@ -405,14 +405,14 @@ SHAPES_CONFIG = {UNSUPPORTED_FN: frozenset({"205518903fd1", "64e271cf2ff6", "675
 
 
 def _runtime(site, python: str | None) -> str | None:
-    """The rewritten drafter imports ``ddtree_patcher.swa`` in vLLM's interpreter (``--python``,
+    """The rewritten drafter imports ``ddtree_patcher.runtime.swa`` in vLLM's interpreter (``--python``,
     else the one running ddtree-patch): it must be importable there and speak the call sites' ABI."""
-    abi, where = runtime_abi("ddtree_patcher.swa", "SWA_ABI", python)
+    abi, where = runtime_abi("ddtree_patcher.runtime.swa", "SWA_ABI", python)
     if abi is None:
-        return (f"{python} cannot import ddtree_patcher.swa ({where}): the patched vLLM would fail to build "
+        return (f"{python} cannot import ddtree_patcher.runtime.swa ({where}): the patched vLLM would fail to build "
                 "any DFlash drafter; install ddtree-patch in that environment or `ddtree-patch revert`")
     if abi != SWA_ABI:
-        return (f"the call sites speak sliding-window ABI {SWA_ABI} but ddtree_patcher.swa in {where} speaks "
+        return (f"the call sites speak sliding-window ABI {SWA_ABI} but ddtree_patcher.runtime.swa in {where} speaks "
                 f"{abi}: run `ddtree-patch revert && ddtree-patch apply` with the installed ddtree-patch")
     return None
 

@@ -9,7 +9,7 @@ to about one token. The rewrite wraps the runner's single ``self.rejection_sampl
   ``DDTREE_PATCH_ENABLE`` or ``DDTREE_PATCH_CHAIN_AS_TREE`` is set, the runner remembers
   ``None`` and every later step costs one attribute lookup and one branch before vLLM's own
   chain sampler runs, untouched;
-* otherwise it imports ``ddtree_patcher.hook`` (lazily; a missing or incompatible module is a
+* otherwise it imports ``ddtree_patcher.runtime.hook`` (lazily; a missing or incompatible module is a
   clear error naming the fix) and binds a per-runner ``TreeStep`` with the call site's hook ABI
   (``hook_abi=N`` is written into the call site, so a mismatch is detected at call time);
 * each step the ``TreeStep`` returns vLLM's usual output when every request carries a tree and
@@ -33,7 +33,7 @@ from ddtree_patcher.patchlib import Patch, PatchFile, Site, Variant, cst, m, run
 
 ID = "tree-walk-hook"
 MARK = f"# ddtree-patch: {ID}"
-HOOK_ABI = 1  # must equal ddtree_patcher.hook.HOOK_ABI; written into every call site
+HOOK_ABI = 2  # must equal ddtree_patcher.runtime.hook.HOOK_ABI; written into every call site
 V1_PY = "vllm/v1/worker/gpu_model_runner.py"
 V2_PY = "vllm/v1/worker/gpu/model_runner.py"
 V1_FN = "GPUModelRunner._sample"
@@ -53,7 +53,7 @@ def _assign_line():
 
 
 MISSING = (
-    "ddtree-patch: DDTree is requested but ddtree_patcher.hook (hook ABI {abi}) cannot be imported: "
+    "ddtree-patch: DDTree is requested but ddtree_patcher.runtime.hook (hook ABI {abi}) cannot be imported: "
     "install ddtree-patch in this environment, run `ddtree-patch revert`, or unset {env}"
 )
 
@@ -68,7 +68,7 @@ if _ddtree is False:  {MARK} (first speculative step of this runner)
     _ddtree = self.ddtree_hook = None  {MARK}
     if any(_ddtree_os.environ.get(k, "0") not in ("", "0") for k in ("{ENV_ENABLE}", "{ENV_CHAIN}")):  {MARK}
         try:  {MARK}
-            from ddtree_patcher.hook import bind as _ddtree_bind  {MARK}
+            from ddtree_patcher.runtime.hook import bind as _ddtree_bind  {MARK}
         except ImportError as _ddtree_err:  {MARK}
             raise RuntimeError({msg!r}) from _ddtree_err  {MARK}
         _ddtree = self.ddtree_hook = _ddtree_bind(self, "{runner}", hook_abi={HOOK_ABI})  {MARK}
@@ -143,9 +143,9 @@ SHAPES_V1_B = {V1_FN: frozenset({"e8615af5c218"})}  # 0.22.0-0.33.0: `draft_prob
 SHAPES_V2 = {V2_FN: frozenset({"d58876dc8445", "6a152f0c6da1", "cd371424437d", "5585f4a055cf"})}
 
 def _runtime(site, python: str | None) -> str | None:
-    """The call sites import ``ddtree_patcher.hook`` in vLLM's interpreter (``--python``, else
+    """The call sites import ``ddtree_patcher.runtime.hook`` in vLLM's interpreter (``--python``, else
     the one running ddtree-patch): it must be importable there and speak the ABI written in them."""
-    from ddtree_patcher.guard import _ABI_RE
+    from ddtree_patcher.runtime.guard import _ABI_RE
 
     written = set()
     for rel in (V1_PY, V2_PY):
@@ -153,12 +153,12 @@ def _runtime(site, python: str | None) -> str | None:
             written |= {int(a) for a in _ABI_RE.findall((site / rel).read_bytes())}
         except FileNotFoundError:
             pass
-    abi, where = runtime_abi("ddtree_patcher.hook", "HOOK_ABI", python)
+    abi, where = runtime_abi("ddtree_patcher.runtime.hook", "HOOK_ABI", python)
     if abi is None:
-        return (f"{python} cannot import ddtree_patcher.hook ({where}): the patched vLLM would fail when "
+        return (f"{python} cannot import ddtree_patcher.runtime.hook ({where}): the patched vLLM would fail when "
                 "DDTree is requested; install ddtree-patch in that environment or `ddtree-patch revert`")
     if written != {abi}:
-        return (f"the call sites speak hook ABI {sorted(written)} but ddtree_patcher.hook in {where} speaks "
+        return (f"the call sites speak hook ABI {sorted(written)} but ddtree_patcher.runtime.hook in {where} speaks "
                 f"{abi}: run `ddtree-patch revert && ddtree-patch apply` with the installed ddtree-patch")
     return None
 
@@ -166,7 +166,7 @@ def _runtime(site, python: str | None) -> str | None:
 PATCH = Patch(
     id=ID,
     summary="Gated call site in the V1 and V2 runners' sampling that verifies DDTree draft trees "
-            "with the tree-walk kernel (ddtree_patcher.hook); vLLM's chain sampler otherwise",
+            "with the tree-walk kernel (ddtree_patcher.runtime.hook); vLLM's chain sampler otherwise",
     kind="hook",
     upstream=(),
     requires=("vllm/v1/spec_decode/dflash.py",),

@@ -125,14 +125,14 @@ def test_verify_reports_a_patched_vllm_whose_runtime_is_missing(make_site):
     rc, doc, err = run_cli("apply", "--vllm-path", str(site), "--patch", "tree-walk-hook", "--json")
     assert rc == 0 and statuses(doc)["tree-walk-hook"] == "applied", err
     rc, doc, err = run_cli("verify", "--vllm-path", str(site), "--patch", "tree-walk-hook", "--json")
-    assert rc == 0, err  # this interpreter has ddtree_patcher.hook, with the same ABI
+    assert rc == 0, err  # this interpreter has ddtree_patcher.runtime.hook, with the same ABI
     # An interpreter that sees this vLLM but has no ddtree-patch installed:
     bare = shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin") or "/usr/bin/python3"
     rc, doc, err = run_cli("verify", "--vllm-path", str(site), "--python", bare, "--patch", "tree-walk-hook",
                            "--json", env={"PYTHONPATH": str(site)})
     assert rc == 3, err
     hook = next(p for p in doc["patches"] if p["id"] == "tree-walk-hook")
-    assert hook["status"] == "drifted" and "cannot import ddtree_patcher.hook" in hook["reason"]
+    assert hook["status"] == "drifted" and "cannot import ddtree_patcher.runtime.hook" in hook["reason"]
 
 
 def test_verify_import_imports_the_patched_modules(tmp_path):

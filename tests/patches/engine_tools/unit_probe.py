@@ -34,7 +34,7 @@ from vllm.v1.sample.sampler import Sampler  # noqa: E402
 from vllm.v1.spec_decode.metadata import SpecDecodeMetadata  # noqa: E402
 import vllm.v1.worker.gpu_model_runner as patched_v1  # noqa: E402
 
-from ddtree_patcher import hook  # noqa: E402
+from ddtree_patcher.runtime import hook  # noqa: E402
 from ddtree_patcher.kernels import tree_verify_ref  # noqa: E402
 
 assert Path(vllm.__file__).parent == SITE / "vllm", vllm.__file__
@@ -284,17 +284,17 @@ def _():
     sizes, parents, drafts, logits = random_batch(400, chain=True)
     md = metadata(drafts)
     runner = FakeRunnerV1([f"r{i}" for i in range(len(sizes))], sampling(len(sizes)))
-    saved = sys.modules.get("ddtree_patcher.hook")
-    sys.modules["ddtree_patcher.hook"] = None  # what a missing module looks like to `import`
+    saved = sys.modules.get("ddtree_patcher.runtime.hook")
+    sys.modules["ddtree_patcher.runtime.hook"] = None  # what a missing module looks like to `import`
     try:
         v1_patched(runner, logits, md)
     except RuntimeError as e:
-        assert "ddtree_patcher.hook (hook ABI 1) cannot be imported" in str(e), e
+        assert "ddtree_patcher.runtime.hook (hook ABI 2) cannot be imported" in str(e), e
         assert "ddtree-patch revert" in str(e)
     else:
         raise AssertionError("no error")
     finally:
-        sys.modules["ddtree_patcher.hook"] = saved
+        sys.modules["ddtree_patcher.runtime.hook"] = saved
     try:
         hook.bind(runner, "V1", hook_abi=hook.HOOK_ABI + 1)
     except hook.HookABIError as e:
@@ -309,7 +309,7 @@ def _():
     import vllm.v1.worker.gpu.model_runner as v2
 
     assert "# ddtree-patch: tree-walk-hook" in Path(v2.__file__).read_text()
-    assert 'bind(self, "V2", hook_abi=1)' in Path(v2.__file__).read_text()
+    assert 'bind(self, "V2", hook_abi=2)' in Path(v2.__file__).read_text()
 
 
 class _Buf:

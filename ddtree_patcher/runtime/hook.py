@@ -20,7 +20,7 @@ and each speculative step::
 **The tree channel.** A drafter attaches the tree of each request for the draft tokens it
 proposes, before the step that verifies them::
 
-    from ddtree_patcher import hook
+    from ddtree_patcher.runtime import hook
     step = hook.tree_step(runner)          # the runner's TreeStep (None: DDTree not requested)
     step.attach(req_id, parent_ids)        # local parents of nodes 1..n in vLLM's draft-token
                                            # order: 0 = the root (last verified token), node j's
@@ -48,12 +48,12 @@ import os
 import weakref
 from typing import Any
 
-HOOK_ABI = 1  # the call-site <-> runtime contract; bump on any incompatible change
+HOOK_ABI = 2  # the call-site <-> runtime contract; bump on any incompatible change
 ENV_ENABLE = "DDTREE_PATCH_ENABLE"
 ENV_CHAIN = "DDTREE_PATCH_CHAIN_AS_TREE"
 RUNNERS = ("V1", "V2")
 
-logger = logging.getLogger("ddtree_patcher.hook")
+logger = logging.getLogger("ddtree_patcher.runtime.hook")
 _LIVE: "weakref.WeakSet[TreeStep]" = weakref.WeakSet()
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
-SWA_ABI = 1  # written into every call site as ``swa_abi=N``
+SWA_ABI = 2  # written into every call site as ``swa_abi=N``
 SLIDING = "sliding_attention"
 
 
@@ -40,7 +40,7 @@ def _check_abi(swa_abi: int) -> None:
     if swa_abi != SWA_ABI:
         raise SlidingWindowRuntimeError(
             f"ddtree-patch: the dflash-sliding-window call sites speak ABI {swa_abi} but the installed "
-            f"ddtree_patcher.swa speaks {SWA_ABI}: run `ddtree-patch revert && ddtree-patch apply` with "
+            f"ddtree_patcher.runtime.swa speaks {SWA_ABI}: run `ddtree-patch revert && ddtree-patch apply` with "
             "the installed ddtree-patch")
 
 

@@ -1,4 +1,4 @@
-"""Boot guard: a ``vllm.general_plugins`` entry point (``ddtree_patcher.guard:register``).
+"""Boot guard: a ``vllm.general_plugins`` entry point (``ddtree_patcher.runtime.guard:register``).
 
 vLLM calls ``register()`` in every process it starts (front end, engine core, workers). It
 checks, by sha256 only (milliseconds, no libcst, no second import of vLLM), that the files the
@@ -82,7 +82,7 @@ def _runner() -> str:
 
 def check(site: Path | None = None) -> tuple[bool, str]:
     """(intact, reason): the hook's files are as recorded and speak this runtime's ABI."""
-    from ddtree_patcher.hook import HOOK_ABI
+    from ddtree_patcher.runtime.hook import HOOK_ABI
 
     site = site or _site()
     if site is None:
@@ -118,7 +118,7 @@ def check(site: Path | None = None) -> tuple[bool, str]:
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point."""
-    from ddtree_patcher.hook import requested
+    from ddtree_patcher.runtime.hook import requested
 
     site = _site()
     intact, reason = check(site)
