@@ -58,6 +58,7 @@ RESOLVE = "_resolve_layer_attention"
 PROPOSER_FN = "SpecDecodeBaseProposer.initialize_attn_backend"
 METADATA_FN = "DFlashProposer.build_per_group_and_layer_attn_metadata"
 RUNNER_FN = "GPUModelRunner.initialize_attn_backend"
+CREATE_GROUPS_FN = f"{RUNNER_FN}.create_attn_groups"
 UNSUPPORTED_FN = "VllmConfig._get_v1_model_runner_unsupported_features"
 LAYER_WINDOW = 'getattr(layers[layer_name], "sliding_window", None)'
 
@@ -350,6 +351,38 @@ def _windowed_group_key(line):
     return line if isinstance(ws, cst.ParenthesizedWhitespace) else _mark_line(line)
 
 
+# 0.20.0-0.22.1 unpack the key in two: ``for (attn_backend, kv_cache_spec), layer_names in ...``
+# (0.23.0+ read ``key.attn_backend``: upstream's own fix when the key gained ``num_heads_q``).
+def _two_field_unpack():
+    return m.For(target=m.Tuple(elements=[
+        m.Element(m.Tuple(elements=[m.Element(m.Name("attn_backend")), m.Element(m.Name("kv_cache_spec"))])),
+        m.Element(m.Name("layer_names"))]))
+
+
+def _key_attribute_loop():  # 0.23.0+: for key, layer_names in attn_backends_map.items(): ... key.attn_backend
+    return m.For(target=m.Tuple(elements=[m.Element(m.Name("key")), m.Element(m.Name("layer_names"))]))
+
+
+def _three_field_unpack(node):
+    inner = node.target.elements[0].value
+    *head, last = inner.elements
+    elements = [*head, last.with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))),
+                cst.Element(cst.Name("_ddtree_window"))]
+    target = node.target.with_changes(elements=[node.target.elements[0].with_changes(
+        value=inner.with_changes(elements=elements)), *node.target.elements[1:]])
+    from ddtree_patcher.examine import marked
+
+    return node.with_changes(target=target, body=node.body.with_changes(header=marked(node.body.header, ID)))
+
+
+UNPACK = Site(
+    function=CREATE_GROUPS_FN,
+    anchor="`for (attn_backend, kv_cache_spec), layer_names in attn_backends_map.items():`",
+    unfixed=_two_field_unpack,
+    fixed=_key_attribute_loop,
+    rewrite=rules_rewrite((_two_field_unpack, _three_field_unpack)),
+)
+
 RUNNER = Site(
     function=RUNNER_FN,
     anchor="`class AttentionGroupKey(NamedTuple)`, `key = (full_cls_name, layer_kv_cache_spec, ...)` and "
@@ -401,6 +434,8 @@ SHAPES_PROPOSER = {PROPOSER_FN: frozenset({"c2799219c7b3", "62d8f94dc29e", "e189
 SHAPES_METADATA = {METADATA_FN: frozenset({"e85be54c7241", "9762b9783ff8"})}
 # 0.20.0-0.22.1, 0.23.0-0.30.0, 0.31.0-0.33.0
 SHAPES_RUNNER = {RUNNER_FN: frozenset({"f3b11ba016ab", "2ec4bc1d017a", "888eafa2fdf9"})}
+# 0.20.0-0.22.1 (pending), 0.23.0-0.33.0 (`key.attn_backend`: upstream)
+SHAPES_UNPACK = {CREATE_GROUPS_FN: frozenset({"6dcfa185811c", "752b4bfc37b9"})}
 SHAPES_CONFIG = {UNSUPPORTED_FN: frozenset({"205518903fd1", "64e271cf2ff6", "675c586beb18"})}  # 0.29-0.30, 0.31-0.32, 0.33
 
 
@@ -439,7 +474,8 @@ PATCH = Patch(
         PatchFile(path=PROPOSER_PY, variants=(Variant("groups-0.20", ON_020 + ON_025, (PROPOSER,), SHAPES_PROPOSER),)),
         PatchFile(path=DFLASH_PROPOSER_PY,
                   variants=(Variant("causal-groups-0.20", ON_020 + ON_025, (METADATA,), SHAPES_METADATA),)),
-        PatchFile(path=RUNNER_PY, variants=(Variant("group-key-0.20", ON_020 + ON_025, (RUNNER,), SHAPES_RUNNER),)),
+        PatchFile(path=RUNNER_PY, variants=(
+            Variant("group-key-0.20", ON_020 + ON_025, (RUNNER, UNPACK), {**SHAPES_RUNNER, **SHAPES_UNPACK}),)),
         PatchFile(
             path=CONFIG_PY,
             variants=(

@@ -101,8 +101,9 @@ def test_shape_hashes_are_those_of_the_wheels():
 def _marked_count(rel: str, version: str) -> int:
     """Marked lines each rewrite adds (every added line carries the marker)."""
     old = _key(version) < (0, 25, 0)
-    return {P.DFLASH_PY: 11 if old else 6, P.PROPOSER_PY: 2, P.DFLASH_PROPOSER_PY: 2, P.RUNNER_PY: 3,
-            P.CONFIG_PY: 1}[rel]
+    two_field_key = _key(version) < (0, 23, 0)  # + the `for (backend, spec, window), ...` unpacking
+    return {P.DFLASH_PY: 11 if old else 6, P.PROPOSER_PY: 2, P.DFLASH_PROPOSER_PY: 2,
+            P.RUNNER_PY: 4 if two_field_key else 3, P.CONFIG_PY: 1}[rel]
 
 
 @pytest.mark.parametrize("version", ("0.20.0", "0.24.0", "0.25.0", "0.28.0", "0.29.0", "0.33.0"))
@@ -317,6 +318,52 @@ def test_back_port_builds_windowed_layers_on_0_24(make_site, cli, tiny_ckpt):
     assert after["all-sliding"] == [  # upstream 0.25+ behaviour: a sliding-window KV group
         {"window": 4, "impl_window": 4, "spec": "SlidingWindowSpec", "spec_window": 4}] * 2
     assert after["all-full"] == [full_layer, full_layer]
+
+
+def _probe(script: str, site: Path, *args: str, timeout: float = 300) -> dict:
+    """Run an engine_tools probe with ``site`` first on the path; its ``RESULT`` (a failure otherwise)."""
+    proc = subprocess.run([sys.executable, str(TOOLS / script), *args], capture_output=True, text=True,
+                          timeout=timeout, cwd="/", env=cpu_env(PYTHONPATH=str(site), PYTHONDONTWRITEBYTECODE="1"))
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert lines, f"{script} on {site}: exit {proc.returncode}\n{proc.stderr[-4000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def _patched_overlay(tmp_path: Path, version: str, cli) -> tuple[Path, Path]:
+    """(pristine, patched): the release's own Python (``vllm_wheels.extracted``: every .py file,
+    importable on CPU without the compiled parts) and an overlay of it with this patch applied."""
+    pristine = vllm_wheels.extracted(version)
+    site = overlay_site(tmp_path / f"site-{version}", pristine, FILES)
+    rc, doc, err = cli("apply", "--vllm-path", str(site), "--patch", ID, "--json")
+    assert rc == 0 and statuses(doc)[ID] == "applied", err
+    return pristine, site
+
+
+@pytest.mark.parametrize("version", ("0.20.0", "0.22.1"))
+def test_v1_runner_builds_attention_groups_on_0_20_to_0_22(version, tmp_path, cli):
+    """Issue 10, defect 1: 0.20.0-0.22.1 unpack ``AttentionGroupKey`` in two
+    (``for (attn_backend, kv_cache_spec), layer_names in ...``); the window field made every model
+    fail in ``initialize_attn_backend`` ("too many values to unpack"). The release's own patched
+    runner function must build its attention groups for two plain full-attention layers, and one
+    group per window for a windowed + a full layer in one KV cache group."""
+    pristine, site = _patched_overlay(tmp_path, version, cli)
+    with ThreadPoolExecutor(2) as pool:
+        before, after = pool.map(lambda s: _probe("swa_runner_probe.py", s), (pristine, site))
+    assert Path(after["file"]).is_relative_to(site), after["file"]
+    full = {"groups": [["model.layers.0.attn", "model.layers.1.attn"]]}
+    assert before["full"] == after["full"] == full, after
+    assert before["mixed"] == {"groups": [["draft.layers.0.attn", "draft.layers.1.attn"]]}  # one builder
+    assert after["mixed"] == {"groups": [["draft.layers.0.attn"], ["draft.layers.1.attn"]]}  # one per window
+
+
+def test_unpack_site_is_upstream_from_0_23():
+    """0.23.0+ read ``key.attn_backend`` (upstream's fix when the key gained ``num_heads_q``): the
+    unpacking rewrite is pending only where the key is unpacked in two."""
+    import ddtree_patcher.examine as ex
+
+    for version, want in (("0.22.1", "pending"), ("0.23.0", "upstream"), ("0.33.0", "upstream")):
+        module = cst.parse_module((vllm_wheels.extracted(version) / P.RUNNER_PY).read_bytes())
+        assert ex._site_state(P.PATCH, P.RUNNER_PY, module, P.UNPACK, False).status == want, version
 
 
 @dataclass(frozen=True)
