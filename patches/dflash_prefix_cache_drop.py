@@ -34,6 +34,7 @@ ID = "dflash-prefix-cache-drop"
 MARK = f"# ddtree-patch: {ID}"
 INIT = "Scheduler.__init__"
 SPLIT = "Scheduler._mamba_block_aligned_split"
+SCHEDULE = "Scheduler.schedule"
 PREDICATE = "SpeculativeConfig.use_eagle_block_drop"
 USE_EAGLE = "SpeculativeConfig.use_eagle"
 SCHEDULER_PY = "vllm/v1/core/sched/scheduler.py"
@@ -128,6 +129,38 @@ INIT_023 = Site(
 )
 
 
+# ---- 0.20.0-0.22.1: Scheduler.schedule, the lookahead slots of a first prefill ----------------
+def _first_prefill_lookahead():
+    """``effective_lookahead_tokens = (0 if request.num_computed_tokens == 0 else self.num_lookahead_tokens)``
+    (0.23.0, #43733: ``0 if load_kv_async and self.use_eagle else self.num_lookahead_tokens``)."""
+    return m.SimpleStatementLine(body=[m.Assign(
+        targets=[m.AssignTarget(target=m.Name("effective_lookahead_tokens"))],
+        value=m.IfExp(test=m.Comparison(left=_attr("request", "num_computed_tokens"),
+                                        comparisons=[m.ComparisonTarget(m.Equal(), m.Integer("0"))]),
+                      body=m.Integer("0"), orelse=_attr("self", "num_lookahead_tokens")))])
+
+
+DFLASH_FIRST_PREFILL = f"""\
+if self.use_eagle and self.vllm_config.speculative_config.use_dflash():  {MARK}
+    # DFlash's first draft pass writes K + 1 positions past the prompt: allocate them from the
+    # first prefill on, as 0.23.0 does (vllm-project/vllm#43733); none while KV loads async.
+    effective_lookahead_tokens = 0 if load_kv_async else self.num_lookahead_tokens  {MARK}
+"""
+
+
+def _dflash_first_prefill(line):
+    return cst.FlattenSentinel([line, cst.parse_statement(DFLASH_FIRST_PREFILL)])
+
+
+SCHEDULE_020 = Site(
+    function=SCHEDULE,
+    anchor="`effective_lookahead_tokens = (0 if request.num_computed_tokens == 0 else "
+           "self.num_lookahead_tokens)` (no lookahead at a first prefill)",
+    unfixed=_first_prefill_lookahead,
+    rewrite=rules_rewrite((_first_prefill_lookahead, _dflash_first_prefill)),
+)
+
+
 # ---- 0.20.0-0.29.0: Scheduler._mamba_block_aligned_split -----------------------------------
 def _if_use_eagle():  # if self.use_eagle:  (back off last_cache_position by one block)
     return m.If(test=_attr("self", "use_eagle"))
@@ -209,6 +242,7 @@ ON_030 = ("0.30.0", "0.31.0", "0.32.0")
 SHAPES_020 = {
     INIT: frozenset({"bc95a9f15113", "515a511c7ab1", "c6aee3281b1f"}),  # 0.20.0-0.20.2, 0.21.0, 0.22.x
     SPLIT: frozenset({"8f6fcba25809"}),  # 0.20.0-0.22.1
+    SCHEDULE: frozenset({"b6e10e6f1132", "158d7e20d39d"}),  # 0.20.0-0.20.2, 0.21.0-0.22.1
 }
 SHAPES_023 = {
     # 0.23.0, 0.24.0, 0.25.0, 0.26.0, 0.27.0, 0.28.0, 0.29.0
@@ -234,7 +268,7 @@ PATCH = Patch(
             path=SCHEDULER_PY,
             variants=(
                 # sched-0.20 first: its anchors are the stricter ones (no DFlash lookahead slot).
-                Variant("sched-0.20", ON_020, (INIT_020, SPLIT_020), SHAPES_020),
+                Variant("sched-0.20", ON_020, (INIT_020, SPLIT_020, SCHEDULE_020), SHAPES_020),
                 Variant("sched-0.23", ON_023, (INIT_023, SPLIT_020), SHAPES_023),
                 Variant("sched-0.30", ON_030, (WARNING_030,), SHAPES_030_SCHED),
             ),

@@ -153,7 +153,7 @@ TINY_CONFIG = {
 
 def _start_probe(site: Path, model_dir: Path, tmp: Path, name: str) -> tuple[subprocess.Popen, Path]:
     env = {**os.environ, "PYTHONPATH": str(site), "CUDA_VISIBLE_DEVICES": "", "VLLM_LOGGING_LEVEL": "ERROR",
-           "PYTHONDONTWRITEBYTECODE": "1" if name == "patched" else os.environ.get("PYTHONDONTWRITEBYTECODE", "")}
+           "PYTHONDONTWRITEBYTECODE": "1" if name.startswith("patched") else os.environ.get("PYTHONDONTWRITEBYTECODE", "")}
     env.pop("VLLM_TARGET_DEVICE", None)
     log = tmp / f"{name}.log"
     proc = subprocess.Popen([sys.executable, str(HERE / "prefix_cache" / "probe.py"), str(model_dir)],
@@ -169,17 +169,28 @@ def _result(proc: subprocess.Popen, log: Path, name: str) -> dict:
     return json.loads(lines[-1][len("PROBE-RESULT "):])
 
 
-@pytest.mark.parametrize("version", BEHAVIOUR)
-def test_dflash_hits_every_cached_block_after_patch(version, tmp_path, cli):
-    full = vllm_wheels.full(version)
+def _patched_site(tmp_path: Path, version: str, cli) -> Path:
+    """An overlay of the release's own Python (``vllm_wheels.extracted``: every .py file, which
+    imports on CPU without the wheel's compiled parts) with this patch applied."""
     files = sorted({*P.PATCH.requires, *(pf.path for pf in P.PATCH.files)})
-    site = overlay_site(tmp_path / "site", full, files)
+    site = overlay_site(tmp_path / f"site-{version}", vllm_wheels.extracted(version), files)
     rc, doc, err = cli("apply", "--vllm-path", str(site), "--patch", ID, "--json")
     assert rc == 0 and doc["changed"] and statuses(doc)[ID] == "applied", err
+    return site
 
+
+def _model_dir(tmp_path: Path) -> Path:
     model_dir = tmp_path / "tiny-llama"
-    model_dir.mkdir()
+    model_dir.mkdir(exist_ok=True)
     (model_dir / "config.json").write_text(json.dumps(TINY_CONFIG))
+    return model_dir
+
+
+@pytest.mark.parametrize("version", BEHAVIOUR)
+def test_dflash_hits_every_cached_block_after_patch(version, tmp_path, cli):
+    full = vllm_wheels.extracted(version)
+    site = _patched_site(tmp_path, version, cli)
+    model_dir = _model_dir(tmp_path)
     running = {name: _start_probe(path, model_dir, tmp_path, name)
                for name, path in (("pristine", full), ("patched", site))}
     got = {name: _result(*running[name], name) for name in running}
@@ -207,3 +218,24 @@ def test_dflash_hits_every_cached_block_after_patch(version, tmp_path, cli):
     assert patched["dflash"]["num_lookahead_tokens"] == k + 1
     assert pristine["dflash"]["num_lookahead_tokens"] == (k if version in NEEDS_SLOT else k + 1)
     assert patched["eagle3"]["num_lookahead_tokens"] == pristine["eagle3"]["num_lookahead_tokens"] == k
+    # A fresh 64-token prompt owns ceil((64 + K + 1) / 16) = 5 blocks from its first prefill on; before
+    # 0.23.0 (#43733) pristine vLLM allocates no lookahead at a first prefill (4 blocks).
+    assert patched["dflash"]["lookahead_blocks"] == [5, 5, 5]
+    assert pristine["dflash"]["lookahead_blocks"] == ([4, 5, 5] if version in NEEDS_SLOT else [5, 5, 5])
+
+
+def test_dflash_first_prefill_allocates_like_0_23(tmp_path, cli):
+    """Issue 10, defect 2: the #42971 back-port (0.20-0.22) must also allocate DFlash's lookahead at
+    the first prefill, as 0.23.0 does (#43733): otherwise the drafter's first pass writes positions
+    64-67 of a 64-token prompt past the blocks the request owns. Real Schedulers: patched 0.22.0 owns
+    what pristine 0.23.0 owns after the first schedule and after later ones. EAGLE keeps its own
+    0.22 behaviour (the patch changes DFlash only)."""
+    site = _patched_site(tmp_path, "0.22.0", cli)
+    model_dir = _model_dir(tmp_path)
+    running = {name: _start_probe(path, model_dir, tmp_path, name)
+               for name, path in (("patched-0.22.0", site), ("0.23.0", vllm_wheels.extracted("0.23.0")))}
+    got = {name: _result(*running[name], name) for name in running}
+    patched, upstream = got["patched-0.22.0"]["methods"], got["0.23.0"]["methods"]
+    assert got["patched-0.22.0"]["scheduler_marked"] and got["0.23.0"]["version"] == "0.23.0"
+    assert patched["dflash"]["lookahead_blocks"] == upstream["dflash"]["lookahead_blocks"] == [5, 5, 5]
+    assert patched["eagle3"]["lookahead_blocks"] == [4, 5, 5]

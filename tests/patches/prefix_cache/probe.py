@@ -14,7 +14,11 @@ where each method reports:
 * ``scheduler_use_eagle``: ``Scheduler.use_eagle`` (must stay True for DFlash);
 * ``num_lookahead_tokens``: the scheduler's lookahead slots (DFlash: num_spec + 1);
 * ``mamba_split``: ``_mamba_block_aligned_split`` for a whole 100-token prompt in one chunk
-  (96 = no eagle back-off, 80 = backs off one block).
+  (96 = no eagle back-off, 80 = backs off one block);
+* ``lookahead_blocks``: blocks a fresh 64-token request owns after its first schedule (the
+  prefill), then after each of two decode steps (one sampled token, K drafts proposed, then one
+  draft accepted), in a scheduler of its own; the drafter writes K + 1 positions past the last
+  token (DFlash), so after the prefill it needs ceil((64 + K + 1) / 16) = 5 blocks.
 
 Only ``SpeculativeConfig``'s validation is skipped (it needs a draft checkpoint): the object is
 the real class with its defaults, ``method`` and ``num_speculative_tokens`` set, so every
@@ -119,6 +123,28 @@ def probe(model_dir: str, method: str) -> dict:
     }
 
 
+def lookahead_blocks(model_dir: str, method: str) -> list[int]:
+    from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+
+    sched = build_scheduler(model_dir, method)
+    req = make_request("fresh", [(5 * i + 1) % 200 + 1 for i in range(64)])
+    sched.add_request(req)
+    owned = []
+
+    def step(sampled: list[int] | None):
+        out = sched.schedule()
+        owned.append(len(sched.kv_cache_manager.get_block_ids("fresh")[0]))
+        return out
+
+    out = step(None)
+    for sampled in ([7], [8, 9]):  # prefill samples one token; then one draft accepted + one sampled
+        sched.update_from_output(out, ModelRunnerOutput(req_ids=["fresh"], req_id_to_index={"fresh": 0},
+                                                        sampled_token_ids=[sampled]))
+        sched.update_draft_token_ids(DraftTokenIds(["fresh"], [[8, 10, 11][:NUM_SPEC]]))
+        out = step(sampled)
+    return owned
+
+
 def main() -> None:
     logging.disable(logging.WARNING)
     import vllm
@@ -135,6 +161,7 @@ def main() -> None:
               "num_spec": NUM_SPEC, "methods": {}}
     for method in ("dflash", "eagle3"):
         result["methods"][method] = probe(sys.argv[1], method)
+        result["methods"][method]["lookahead_blocks"] = lookahead_blocks(sys.argv[1], method)
     print("PROBE-RESULT " + json.dumps(result))
 
 
