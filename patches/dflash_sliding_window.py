@@ -17,7 +17,11 @@ Rewrites, chosen by code shape (never by version):
     ``DFlashQwen3Attention``, which passes ``per_layer_sliding_window=`` to its ``Attention``.
     Upstream marker: the keyword ``per_layer_sliding_window`` (0.25.0+).
   * ``guard-0.25`` (0.25.0-0.33.0): the ``raise NotImplementedError`` for mixed drafters in
-    ``_resolve_layer_attention`` (0.25: always; 0.26+: unless V2) becomes ``pass``.
+    ``_resolve_layer_attention`` (0.25: always; 0.26+: unless V2) becomes
+    ``ddtree_patcher.runtime.swa.check_mixed_drafter``: V1 runs them; a V2 runner that cannot run them
+    (0.25.0, and 0.24.0 through the resolver of ``resolve-0.20``) refuses them with a named
+    ``NotImplementedError`` (``MixedDrafterOnV2Error``) instead of running their sliding layers with
+    full attention.
   * both: after ``self.self_attn = DFlashQwen3Attention(...)`` the layer calls
     ``ddtree_patcher.runtime.swa.finish_draft_layer`` (full KV storage for the sliding layers of a mixed
     drafter; symmetric window for non-causal sliding layers).
@@ -237,12 +241,27 @@ def _mixed_guard():  # if <mixed drafter ...>: raise NotImplementedError(...)
         m.Raise(exc=m.Call(func=m.Name("NotImplementedError")))])]))
 
 
+CHECK_MIXED = f"""\
+from ddtree_patcher.runtime.swa import check_mixed_drafter as _ddtree_check_mixed  {MARK}
+_ddtree_check_mixed(swa_abi={SWA_ABI})  {MARK} (V1 runs mixed drafters; a V2 runner that cannot is refused)
+"""
+
+
+def _check_instead_of_raise(node):
+    """The guard's ``raise NotImplementedError(...)`` becomes ``ddtree_patcher.runtime.swa.check_mixed_drafter``:
+    V1 runs mixed drafters (full KV storage, per-layer windows); a V2 runner that cannot run them
+    (0.25.0) refuses them with a named error. (0.26.0+ reach the guard on V1 only.)"""
+    *head, raise_line = node.body.body
+    check = list(cst.parse_module(CHECK_MIXED).body)
+    check[0] = check[0].with_changes(leading_lines=raise_line.leading_lines)
+    return node.with_changes(body=node.body.with_changes(body=[*head, *check]))
+
+
 GUARD_025 = Site(
     function=RESOLVE,
     anchor="`if <mixed sliding/full>: raise NotImplementedError(...)` (0.25: always; 0.26+: unless V2)",
     unfixed=_mixed_guard,
-    rewrite=rules_rewrite((_mixed_guard, lambda node: _pass_marked(
-        node, "mixed sliding/full drafters run on V1 too: full KV storage, per-layer windows"))),
+    rewrite=rules_rewrite((_mixed_guard, _check_instead_of_raise)),
 )
 
 
