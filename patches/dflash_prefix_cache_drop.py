@@ -16,14 +16,22 @@ Shapes, chosen by code shape (never by version):
 * ``sched-0.20`` (0.20.0-0.22.1): ``Scheduler.__init__`` passes ``use_eagle=self.use_eagle and
   not speculative_config.use_dflash()`` to ``KVCacheManager`` and gains the DFlash ``+1``
   lookahead slot of #42971 (absent before 0.23.0, written as 0.23.0 writes it);
-  ``Scheduler._mamba_block_aligned_split`` backs off one block only for non-DFlash EAGLE.
+  ``Scheduler._mamba_block_aligned_split`` backs off one block only for non-DFlash EAGLE;
+  ``Scheduler.schedule`` allocates DFlash's lookahead at a first prefill too, as 0.23.0 (#43733).
 * ``sched-0.23`` (0.23.0-0.29.0): the same two scheduler sites, no back-port needed.
   ``Scheduler.use_eagle`` itself is never changed: DFlash still needs the lookahead, the
   encoder shift and the other behaviours it drives.
 * ``predicate-0.30`` (0.30.0-0.32.0): ``SpeculativeConfig.use_eagle_block_drop()`` excludes
   DFlash (every consumer follows); the scheduler's "block dropping is disabled" warning is
   gated so that it does not fire for DFlash.
-* 0.33.0: upstream. Before 0.20.0: not applicable (no DFlash).
+* The other block-drop decisions that 0.33.0 routes through ``use_eagle_block_drop()`` and that
+  call the bare ``use_eagle()`` before 0.30.0: the offloading connector (``offloading-0.24``), the
+  Mooncake store worker (``mooncake-0.22``), the simple CPU offload manager
+  (``simple-offload-0.27``) and the draft-group annotation of ``kv_cache_utils.py``
+  (``annotate-dsv4-0.20``, ``annotate-0.29``) exempt DFlash; on 0.30.0-0.32.0 the "no draft
+  group" warning (``warn-0.30``) no longer fires for DFlash.
+* 0.33.0: upstream. Before 0.20.0: not applicable (no DFlash). DSpark, which 0.33.0 also
+  exempts, keeps the drop (docs/patches/dflash-prefix-cache-drop.md says why).
 """
 
 from __future__ import annotations

