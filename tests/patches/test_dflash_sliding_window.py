@@ -378,12 +378,13 @@ def test_mixed_drafter_on_each_runner(versions, tmp_path, cli):
     for version, got in results.items():
         assert Path(got["file"]).is_relative_to(tmp_path), got["file"]
         assert got["upstream_resolver"] is (version >= "0.25.0")
-        assert got["v1"] == {"runner": "v1", "layers": layers}, got
+        assert got["v1"]["layers"] == layers, got
         if version == "0.26.0":
-            assert got["v2"] == {"runner": "v2-mixed", "layers": layers}, got
+            assert got["v2"]["layers"] == layers, got
         else:
-            assert got["v2"]["runner"] == "v2" and got["v2"]["error"] == "MixedDrafterOnV2Error", got
+            assert got["v2"].get("error") == "MixedDrafterOnV2Error", got
             assert "VLLM_USE_V2_MODEL_RUNNER=0" in got["v2"]["message"]
+        assert (got["v1"]["runner"], got["v2"]["runner"]) == ("v1", "v2-mixed" if version == "0.26.0" else "v2")
 
 
 def test_kv_cost_table_is_that_of_the_kv_specs():
