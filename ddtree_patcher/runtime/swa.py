@@ -145,7 +145,7 @@ def draft_runner() -> str:
       per-group causality: 0.26.0+, recognised by ``VllmConfig._dflash_needs_multi_kv_group``);
     * ``"v2"``: a V2 runner that does not (0.24.0-0.25.0).
 
-    Releases without the property (0.20.0-0.22.0) read ``VLLM_USE_V2_MODEL_RUNNER`` as their worker does."""
+    Releases without the property (0.20.0-0.21.0) read ``VLLM_USE_V2_MODEL_RUNNER`` as their worker does."""
     try:
         from vllm.config import VllmConfig, get_current_vllm_config
     except ImportError:
