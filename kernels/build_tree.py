@@ -336,7 +336,7 @@ def build_tree(
     if CH & (CH - 1) or CH < 2 * KP:
         raise ValueError(f"build_tree: argument `chunk` must be a power of two >= {2 * KP}, got {chunk!r}")
     NCH = triton.cdiv(V, CH)
-    CAPT = max(128, 4 * KP)
+    CAPT = max(128, min(8 * KP, 4096))  # candidates per batch: CAPT - KP (about KP*ln(KP) expected)
     NW = (n + 1 + 31) // 32
     i32, f32 = torch.int32, torch.float32
     tokens = torch.empty((B, n), dtype=i32, device=dev)

@@ -92,7 +92,7 @@ def check_build_args(draft_logits, budget, topk, active, lse=None):
     if not isinstance(budget, int) or isinstance(budget, bool) or not 0 <= budget <= MAX_BUDGET:
         raise _err("budget", f"must be an int in [0, {MAX_BUDGET}], got {budget!r}")
     if topk is None:
-        topk = min(budget, DEFAULT_TOPK)
+        topk = max(1, min(budget, DEFAULT_TOPK))
     if not isinstance(topk, int) or isinstance(topk, bool) or not 1 <= topk <= MAX_TOPK:
         raise _err("topk", f"must be an int in [1, {MAX_TOPK}], got {topk!r}")
     K = min(topk, V)
