@@ -176,13 +176,14 @@ def correctness(dev, L, V, results, smoke):
 # ----------------------------------------------------------------------------
 # Benchmark
 # ----------------------------------------------------------------------------
-def bench(B, budgets, L, V, dev, l2, bw, knobs, seed):
+def bench(B, budgets, L, V, dev, l2, bw, read_bw, knobs, seed):
     tm = timer(dev)
     nbytes = B * L * V * 2
     R = n_sets(nbytes, l2) if dev.type == "cuda" else 1
     sets = [drafter_logits(B, L, V, dev, seed + r) for r in range(R)]
     rows = []
     floor = nbytes / bw * 1e6 if bw == bw else float("nan")
+    read_floor = nbytes / read_bw * 1e6 if read_bw == read_bw else float("nan")
     argmax_us = tm([lambda s=s: torch.argmax(s, dim=-1) for s in sets], reps_for(floor * 2 + 10))
     k_default = None
     for n in budgets:
@@ -200,6 +201,7 @@ def bench(B, budgets, L, V, dev, l2, bw, knobs, seed):
         row = dict(B=B, n=n, L=L, V=V, K=k, knobs={a: b for a, b in knobs.items() if b},
                    sets=R, build_us=us, stage1_us=stage1_us, tree_stage_us=us - stage1_us,
                    argmax_us=argmax_us, floor_us=floor, x_floor=us / floor,
+                   read_floor_us=read_floor, x_read_floor=us / read_floor,
                    minus_argmax_us=us - argmax_us,
                    exact_frac=float(t.exact.float().mean()),
                    mean_depth=float(t.depths.float().mean()),
@@ -221,10 +223,13 @@ def main():
     ap.add_argument("--vocab", type=int, default=None)
     ap.add_argument("--no-sweep", action="store_true", help="skip the tuning-knob sweep")
     ap.add_argument("--skip-checks", action="store_true")
+    ap.add_argument("--time-budget", type=float, default=150.0,
+                    help="seconds after which the remaining sweep entries are skipped")
     ap.add_argument("--out", default=None, help="JSON path (default $OUT/bench_build_tree.json)")
     args = ap.parse_args()
 
     smoke = args.smoke
+    t_start = time.time()
     dev = torch.device("cpu" if smoke else "cuda")
     batch = args.batch or ([2] if smoke else [1, 8, 64, 256])
     budgets = args.budget or ([8] if smoke else [16, 64, 256])
@@ -257,7 +262,7 @@ def main():
     for i, B in enumerate(batch):
         t0 = time.time()
         try:
-            results["rows"] += bench(B, budgets, L, V, dev, l2, copy_bw, {}, 1000 * i)
+            results["rows"] += bench(B, budgets, L, V, dev, l2, copy_bw, read_bw, {}, 1000 * i)
         except Exception:  # noqa: BLE001
             results["rows"].append(dict(B=B, error=traceback.format_exc()[-2000:]))
             log(results["rows"][-1]["error"])
@@ -265,25 +270,31 @@ def main():
         log(f"[bench] B={B} done ({time.time() - t0:.1f}s)")
     if not args.no_sweep:
         sweep = ([(8, [64, 256], dict(tree_warps=w)) for w in (1, 2, 4, 8)]
-                 + [(64, [64], dict(chunk=c)) for c in (4096, 16384)]
-                 + [(256, [64], dict(chunk=4096))]
+                 + [(b, [64], dict(chunk=c, chunk_warps=w)) for b in (1, 64, 256)
+                    for c, w in ((2048, None), (4096, 2), (8192, None), (8192, 4), (16384, None))]
                  + [(b, [64], dict(topk=16)) for b in (1, 64)]
                  + [(b, [256], dict(topk=256)) for b in (1, 8)])
         if smoke:
-            sweep = [(1, [8], dict(tree_warps=2, chunk=256)), (1, [16], dict(topk=16))]
+            sweep = [(1, [16], dict(tree_warps=2, chunk=256, topk=16))]
         for B, bud, knobs in sweep:
+            if time.time() - t_start > args.time_budget:
+                log(f"[sweep] time budget {args.time_budget:.0f}s spent: skipping B={B} {knobs}")
+                results["sweep_skipped"] = results.get("sweep_skipped", 0) + 1
+                continue
             try:
-                results["sweep"] += bench(B, bud, L, V, dev, l2, copy_bw, knobs, 7)
+                results["sweep"] += bench(B, bud, L, V, dev, l2, copy_bw, read_bw, knobs, 7)
             except Exception:  # noqa: BLE001
                 results["sweep"].append(dict(B=B, knobs=knobs, error=traceback.format_exc()[-2000:]))
                 log(results["sweep"][-1]["error"])
                 ok = False
+    results["elapsed_s"] = time.time() - t_start
     out = args.out or (os.path.join(os.environ["OUT"], "bench_build_tree.json") if os.environ.get("OUT")
                        else None)
     if out:
         pathlib.Path(out).write_text(json.dumps(results, indent=1))
         log(f"wrote {out}")
     print_table(results)
+    log(f"elapsed {results['elapsed_s']:.0f}s")
     log("CHECKS " + ("PASSED" if ok else "FAILED"))
     return 0 if ok else 1
 
@@ -293,22 +304,24 @@ def _f(v, w=7, p=1):
 
 
 def print_table(res):
-    log("\n" + "=" * 112)
+    log("\n" + "=" * 118)
     log(f"{res['device']} | torch {res['torch']} | triton {res['triton']} | copy "
         f"{res['copy_bw'] / 1e12:.2f} TB/s, read {res['read_bw'] / 1e12:.2f} TB/s | {res['date']}")
-    log("µs, CUDA-graph replay median; floor = B*L*V*2 B / copy bandwidth; x = build / floor; "
-        "stage1 = top-K + lse (one read of the logits); tree = build - stage1")
+    log("µs, CUDA-graph replay median; floor = B*L*V*2 B / copy bandwidth (x = build / floor; "
+        "xR: same with the bf16 read bandwidth); stage1 = top-K + lse (one read of the logits); "
+        "tree = build - stage1; -argmax = build - torch.argmax")
     log(f"{'B':>4} {'n':>4} {'K':>4} | {'build':>8} {'stage1':>8} {'tree':>7} | {'argmax':>8} "
-        f"{'floor':>8} {'x':>5} {'-argmax':>8} | {'exact':>5} {'depth':>5} | knobs")
+        f"{'floor':>8} {'x':>5} {'xR':>5} {'-argmax':>8} | {'exact':>5} {'depth':>5} | knobs")
     for r in res["rows"] + res["sweep"]:
         if "error" in r:
             log(f"{r['B']:>4} ERROR {r.get('knobs', '')}")
             continue
         log(f"{r['B']:>4} {r['n']:>4} {r['K']:>4} | {_f(r['build_us'], 8)} {_f(r['stage1_us'], 8)} "
             f"{_f(r['tree_stage_us'], 7)} | {_f(r['argmax_us'], 8)} {_f(r['floor_us'], 8)} "
-            f"{_f(r['x_floor'], 5, 2)} {_f(r['minus_argmax_us'], 8)} | {_f(r['exact_frac'], 5, 2)} "
+            f"{_f(r['x_floor'], 5, 2)} {_f(r['x_read_floor'], 5, 2)} {_f(r['minus_argmax_us'], 8)} | "
+            f"{_f(r['exact_frac'], 5, 2)} "
             f"{_f(r['mean_depth'], 5, 1)} | {r['knobs'] or ''}")
-    log("=" * 112)
+    log("=" * 118)
 
 
 if __name__ == "__main__":

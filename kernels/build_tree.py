@@ -35,10 +35,12 @@ import triton.language as tl
 
 from .tree_reference import DraftTree, check_build_args
 
-DEFAULT_CHUNK = 8192
+DEFAULT_CHUNK = 4096  # 4 warps, 96 registers: 5 programs per SM on sm_90
 
 # NOTE: module constants must be tl.constexpr instances for the compiler.
 SENT = tl.constexpr(-9223372036854775808)  # below every key
+SENT32 = tl.constexpr(-2147483648)  # below every 32-bit key
+LOG2E = tl.constexpr(1.4426950408889634)
 ORD_NEG_INF = tl.constexpr(-2139095041)  # _ord(-inf)
 # tree-key low bits: (63 - depth) << 21 | (1023 - rank) << 11 | (2047 - parent)
 LOW_MASK = tl.constexpr(134217727)  # 2**27 - 1
@@ -96,8 +98,30 @@ def _stage_candidates(cand, li, sbase, q0, CB: tl.constexpr):
 
 
 @triton.jit
-def _reduce_batch(base, start, sbase, kbase, q0, cnt, KP: tl.constexpr, CAPT: tl.constexpr):
-    """Running top-KP keys (kbase) := top-KP of (running list, staged candidates)."""
+def _key32(y, li, DT16: tl.constexpr):
+    """16-bit inputs: packed (value desc, local offset asc) int32 key. y holds float32 values
+    exactly representable in DT16 (bf16/fp16 logits), li < 65536."""
+    y = tl.where(y == 0, 0.0, y)
+    h = y.to(DT16).to(tl.int16, bitcast=True).to(tl.int32)
+    o = tl.where(h >= 0, h, h ^ 0x7FFF)
+    return (o << 16) + (65535 - li)
+
+
+@triton.jit
+def _unkey32(k, DT16: tl.constexpr):
+    o = k >> 16
+    h = tl.where(o >= 0, o, o ^ 0x7FFF)
+    v = h.to(tl.int16).to(DT16, bitcast=True).to(tl.float32)
+    return v, 65535 - (k & 65535)
+
+
+@triton.jit
+def _reduce_batch(base, start, sbase, kbase, q0, cnt, KP: tl.constexpr, CAPT: tl.constexpr,
+                  KEY32: tl.constexpr):
+    """Running top-KP keys (kbase) := top-KP of (running list, staged candidates).
+
+    With 16-bit logits the selection runs on int32 keys (value, offset in the chunk): half the
+    work of int64 keys in the bitonic network; the list is stored as int64 (value, global id)."""
     tl.debug_barrier()  # the staged offsets are visible to every lane
     lane = tl.arange(0, CAPT)
     bl = lane - KP
@@ -105,9 +129,18 @@ def _reduce_batch(base, start, sbase, kbase, q0, cnt, KP: tl.constexpr, CAPT: tl
     ci = tl.load(sbase + bl, mask=bm, other=0)
     y = tl.load(base + start + ci, mask=bm, other=float("-inf")).to(tl.float32)
     y = tl.where(y < float("inf"), y, float("-inf"))
-    kb = tl.where(bm, _vkey(y, start + ci), SENT)
     rk = tl.load(kbase + lane, mask=(lane < KP) & (q0 > 0), other=SENT)
-    top = tl.topk(tl.where(lane < KP, rk, kb), KP)
+    if KEY32:
+        DT16: tl.constexpr = base.dtype.element_ty
+        rv, rid = _unvkey(rk)
+        rk32 = tl.where(rk > SENT, _key32(rv, rid - start, DT16), SENT32)
+        kb32 = tl.where(bm, _key32(y, ci, DT16), SENT32)
+        top32 = tl.topk(tl.where(lane < KP, rk32, kb32), KP)
+        tv, tli = _unkey32(top32, DT16)
+        top = tl.where(top32 > SENT32, _vkey(tv, start + tli), SENT)
+    else:
+        kb = tl.where(bm, _vkey(y, start + ci), SENT)
+        top = tl.topk(tl.where(lane < KP, rk, kb), KP)
     tl.debug_barrier()  # every lane has read the running list before it is replaced
     tl.store(kbase + tl.arange(0, KP), top)
     tl.debug_barrier()
@@ -131,6 +164,7 @@ def _chunk_kernel(
     CAPT: tl.constexpr,
     SUB: tl.constexpr,
     HAS_ACTIVE: tl.constexpr,
+    KEY32: tl.constexpr,
 ):
     row = tl.program_id(0)
     c = tl.program_id(1)
@@ -149,7 +183,8 @@ def _chunk_kernel(
         x = tl.load(base + start + li, mask=valid, other=float("-inf")).to(tl.float32)
         x = tl.where(x < float("inf"), x, float("-inf"))  # NaN and +inf -> -inf
         m = tl.max(x, axis=0)
-        s = tl.sum(tl.where(x > float("-inf"), tl.exp(x - m), 0.0), axis=0)
+        # exp(x - m) as one FMA + ex2: 2**(x*log2(e) - m*log2(e))
+        s = tl.sum(tl.where(x > float("-inf"), tl.exp2(x * LOG2E - m * LOG2E), 0.0), axis=0)
         # KP column maxima each hold a distinct value >= t: the chunk's top-KP are all >= t.
         t = tl.min(tl.max(tl.reshape(x, [CHUNK // KP, KP]), axis=0), axis=0)
         pid = row.to(tl.int64) * NCH + c
@@ -157,7 +192,7 @@ def _chunk_kernel(
         sbase = idx_scr_ptr + pid * CB
         # first batch: candidates 0..CB-1 (nothing but scalars stays live past it)
         cnt = _stage_candidates(valid & (x >= t), li, sbase, c * 0, CB)
-        _reduce_batch(base, start, sbase, kbase, cnt * 0, cnt, KP, CAPT)
+        _reduce_batch(base, start, sbase, kbase, cnt * 0, cnt, KP, CAPT, KEY32)
         # more candidates than one batch (many exact ties): re-read the chunk per batch, in
         # small tiles so that this rare path keeps the register footprint of the common one
         q0 = cnt * 0 + CB
@@ -169,7 +204,7 @@ def _chunk_kernel(
                 y = tl.load(base + start + lj, mask=vj, other=float("-inf")).to(tl.float32)
                 cj = vj & (y < float("inf")) & (y >= t)
                 seen += _stage_candidates(cj, lj, sbase, q0 - seen, CB)
-            _reduce_batch(base, start, sbase, kbase, q0, cnt, KP, CAPT)
+            _reduce_batch(base, start, sbase, kbase, q0, cnt, KP, CAPT, KEY32)
             q0 += CB
         tl.store(part_m_ptr + pid, m)
         tl.store(part_s_ptr + pid, s)
@@ -368,6 +403,7 @@ def draft_topk(
         draft_logits, active, part_key, part_m, part_s, idx_scr,
         L, V, draft_logits.stride(0), draft_logits.stride(1), NCH,
         CHUNK=CH, KP=KP, CAPT=CAPT, SUB=min(CH, 1024), HAS_ACTIVE=has_active,
+        KEY32=draft_logits.element_size() == 2 and CH <= 65536,
         num_warps=chunk_warps or max(4, min(16, CH // 1024)),
     )
     _merge_kernel[(rows,)](

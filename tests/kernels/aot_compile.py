@@ -83,7 +83,8 @@ def build_tree_variants():
             yield f"build_tree chunk {dtype[1:]} KP={kp} active={active}", BT._chunk_kernel, dict(
                 CHUNK_PTRS, logits_ptr=dtype), dict(
                 active_ptr="keep" if active else None, CHUNK=8192, KP=kp,
-                CAPT=max(128, 8 * kp), SUB=1024, HAS_ACTIVE=active), 0
+                CAPT=max(128, 8 * kp), SUB=1024, HAS_ACTIVE=active,
+                KEY32=dtype == "*bf16"), 0
     for kp, active in ((16, False), (32, True)):
         yield f"build_tree merge KP={kp} active={active}", BT._merge_kernel, MERGE_PTRS, dict(
             active_ptr="keep" if active else None, NCHP=32, KP=kp, HAS_ACTIVE=active), 0
