@@ -36,6 +36,7 @@ import triton.language as tl
 from .tree_reference import DraftTree, check_build_args
 
 DEFAULT_CHUNK = 4096  # 4 warps, 96 registers: 5 programs per SM on sm_90
+MAX_MERGE = 16384  # keys one _merge_kernel program sorts (16 warps; 128 KiB of shared memory)
 
 # NOTE: module constants must be tl.constexpr instances for the compiler.
 SENT = tl.constexpr(-9223372036854775808)  # below every key
@@ -382,9 +383,15 @@ def draft_topk(
     B, L, V, _, K = check_build_args(draft_logits, 1, topk, active)
     dev = draft_logits.device
     KP = _next_pow2(K + 1)  # one more rank than K, for the `exact` certificate
-    CH = int(chunk) if chunk else min(DEFAULT_CHUNK, max(_next_pow2(V), 2 * KP))
-    if CH & (CH - 1) or CH < 2 * KP:
-        raise ValueError(f"build_tree: argument `chunk` must be a power of two >= {2 * KP}, got {chunk!r}")
+    if chunk:
+        CH = int(chunk)
+    else:  # the merge sorts next_pow2(#chunks) * KP keys in one program: keep that <= MAX_MERGE
+        CH = min(DEFAULT_CHUNK, max(_next_pow2(V), 2 * KP))
+        while _next_pow2(triton.cdiv(V, CH)) * KP > MAX_MERGE:
+            CH *= 2
+    if CH & (CH - 1) or CH < 2 * KP or _next_pow2(triton.cdiv(V, CH)) * KP > MAX_MERGE:
+        raise ValueError(f"build_tree: argument `chunk` must be a power of two >= {2 * KP} with "
+                         f"next_pow2(ceil(V / chunk)) * {KP} <= {MAX_MERGE}, got {chunk!r}")
     NCH = triton.cdiv(V, CH)
     CAPT = max(128, min(8 * KP, 4096))  # candidates per batch: CAPT - KP (about KP*ln(KP) expected)
     f32 = torch.float32
