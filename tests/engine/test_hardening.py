@@ -450,3 +450,19 @@ def test_lock_file_is_created_without_following_links_and_kept_while_applied(sit
         rc, doc, err = run_cli("revert", "--vllm-path", str(site), "--lock-timeout", "0.2", "--json")
     assert rc == 4 and "lock timeout" in doc["error"]
     assert sha256((site / SCHED).read_bytes()) == json.loads((site / STATE / "state.json").read_text())["files"][SCHED]["patched"]
+
+
+def test_demo_removes_its_scratch_folder_unless_asked_to_keep_it():
+    """scripts/demo.sh leaves no ~600 MB scratch folder behind (whatever the outcome) unless KEEP=1.
+    PYTHON=false makes it stop at once, after creating the folder."""
+    import re
+
+    from helpers import REPO
+
+    for keep in ("0", "1"):
+        proc = subprocess.run(["bash", str(REPO / "scripts" / "demo.sh")], capture_output=True, text=True,
+                              env={**os.environ, "PYTHON": "false", "KEEP": keep}, timeout=60)
+        assert proc.returncode != 0
+        work = Path(re.search(r"== scratch environment: (\S+)", proc.stdout).group(1))
+        assert work.exists() == (keep == "1"), proc.stdout
+        shutil.rmtree(work, ignore_errors=True)
