@@ -226,7 +226,9 @@ class _Sources:
 
     def read(self, rel: str) -> bytes | None:
         if rel not in self._bytes:
-            self._bytes[rel] = read_regular(self.target.site / rel)  # a link or a folder is refused
+            # Reading through a link is harmless (a write never follows one: see transaction.py); a
+            # folder or a FIFO where a module belongs is refused.
+            self._bytes[rel] = read_regular(self.target.site / rel, follow=True)
         return self._bytes[rel]
 
     def parse(self, data: bytes, what: str):
@@ -263,6 +265,10 @@ def _scan(target: Target, state: State, patches: tuple[Patch, ...], src: _Source
                 continue
             cur = sha256(data)
             pristine_by_record = target.record.get(rel)
+            if rec is not None and (target.site / rel).is_symlink():
+                files.append(FileReport(rel, DRIFTED, f"{rel} was replaced by a symbolic link since apply "
+                                        "(ddtree-patch never writes through one)"))
+                continue
             if rec is not None:
                 if cur == rec.patched:
                     if patch.id in rec.patches:

@@ -71,21 +71,24 @@ def lstat_kind(path: Path, want: str) -> bool:
     return True
 
 
-def read_regular(path: Path) -> bytes | None:
+def read_regular(path: Path, follow: bool = False) -> bytes | None:
     """The bytes of the regular file ``path`` (None when it does not exist), opened without
-    following a symbolic link and without blocking on a FIFO; anything else is refused."""
+    following a symbolic link (unless ``follow``: reading a vLLM file to classify it) and without
+    blocking on a FIFO; anything but a regular file is refused."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, flags)
     except FileNotFoundError:
         return None
     except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+        if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO) and not follow:
             lstat_kind(path, "file")  # raises, naming what it is
         raise
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            lstat_kind(path, "file")
+            if not follow:
+                lstat_kind(path, "file")
             raise UnsafeStateDir(f"{path} is {_kind(st.st_mode)}, not a regular file; nothing was changed")
         chunks = []
         while True:
