@@ -70,18 +70,18 @@ def is_space(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
-def describe(exc: OSError) -> str:
-    """``<what failed>: <plain reason>`` for an OSError (the file name when it has one)."""
+def describe(exc: OSError, name: bool = True) -> str:
+    """``<file>: <plain reason>`` for an OSError (without the file name when ``name`` is false)."""
     what, _ = _ADVICE.get(exc.errno, (exc.strerror or str(exc), ""))
-    name = f"{exc.filename}: " if exc.filename else ""
-    return f"{name}{what}"
+    return f"{exc.filename}: {what}" if name and exc.filename else what
 
 
 def advice(exc: OSError) -> str:
     return _ADVICE.get(exc.errno, ("", ""))[1]
 
 
-def environment(exc: OSError, doing: str, changed: str = "nothing was changed") -> EnvironmentProblem:
+def environment(exc: OSError, doing: str, changed: str = "nothing was changed",
+                name: bool = True) -> EnvironmentProblem:
     """An exit-4 error for ``exc`` raised while ``doing`` something: what, why, and what to do."""
     tip = advice(exc)
-    return EnvironmentProblem(f"{doing}: {describe(exc)}; {changed}" + (f". To fix: {tip}" if tip else ""))
+    return EnvironmentProblem(f"{doing}: {describe(exc, name)}; {changed}" + (f". To fix: {tip}" if tip else ""))

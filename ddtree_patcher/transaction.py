@@ -339,7 +339,7 @@ def _preflight(store: Store, paths: list[Path]) -> None:
             os.close(fd)
             os.unlink(probe)
         except OSError as exc:
-            raise environment(exc, f"cannot write in {folder}") from exc
+            raise environment(exc, f"cannot write in {folder}", name=False) from exc
 
 
 def _restore(store: Store, entries: list[dict], to: str) -> None:
