@@ -60,7 +60,12 @@ def table(result: Result, verbose: bool = True, cols: int | None = None) -> str:
                    f"{_wrap(report.reason, w + 18, cols)}")
         if verbose:
             for f in report.files:
-                out.append(f"{'':<{w}}    {f.path}: {_color(f.status, f.status, color)}")
+                status = _color(f.status, f.status, color)
+                if cols is not None and w + 6 + len(f.path) + len(f.status) > cols:  # a long path: status below
+                    out.append(f"{'':<{w}}    {f.path}:")
+                    out.append(f"{'':<{w}}      {status}")
+                else:
+                    out.append(f"{'':<{w}}    {f.path}: {status}")
     return "\n".join(out)
 
 
