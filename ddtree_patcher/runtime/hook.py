@@ -342,8 +342,8 @@ class TreeStep:
                     raise TreeChannelError(
                         f"ddtree-patch: request {rid!r} has {n} draft tokens but its attached tree "
                         f"has {width} nodes")
-            if n == 0:
-                reason = None  # nothing to verify: either path samples the root row
+            if n == 0 and reason == "no-tree":
+                reason = None  # nothing to verify: a tree-ok request may take either path
             if reason is None:
                 tree[r] = True
                 if where is None:
@@ -358,8 +358,8 @@ class TreeStep:
         # anyway (exact parity), through the walk only in an all-tree step.
         drafted = nd > 0
         walk_any = bool((tree & drafted).any())
-        chain_any = any(reasons[r] is not None for r in range(B) if drafted[r])
-        tree[~drafted] = walk_any and not chain_any
+        chain_any = any(reason is not None for reason in reasons)
+        tree[~drafted] &= walk_any and not chain_any
         ro = Routing()
         ro.B, ro.num_draft, ro.tree, ro.reasons = B, nd, tree, reasons
         ro.src = np.concatenate(src_parts) if src_parts else np.zeros(0, np.int64)

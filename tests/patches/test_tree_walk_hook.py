@@ -159,14 +159,10 @@ def unit_probe(tmp_path_factory):
 
 PROBES = (
     "v1_tree_greedy_equals_reference",
-    "v1_tree_sampled_equals_reference",
     "v1_linear_batch_equals_pristine",
     "v1_unsafe_sampling_falls_back_to_pristine",
     "v1_missing_runtime_is_a_clear_error",
     "v2_module_imports_patched",
-    "v2_tree_greedy_equals_reference_and_prefill_rule",
-    "v2_linear_batch_runs_chain_sampler",
-    "v2_chain_as_tree_sampled_runs_kernel",
 )
 
 

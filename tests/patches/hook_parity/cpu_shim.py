@@ -36,7 +36,7 @@ def install():
 
     torch_impl = ts.apply_top_k_top_p_pytorch
     extra = {"allow_cpu_sync": True} if "allow_cpu_sync" in inspect.signature(torch_impl).parameters else {}
-    ts.apply_top_k_top_p_triton = lambda logits, k, p: torch_impl(logits, k, p, **extra)
+    ts.apply_top_k_top_p_triton = lambda logits, k, p, *a, **kw: torch_impl(logits, k, p, **extra)
     import vllm.v1.worker.gpu.buffer_utils as bu
     bu.is_uva_available = lambda: True
     for name in ("get_accelerator_view_from_cpu_tensor", "get_cuda_view_from_cpu_tensor"):

@@ -351,6 +351,9 @@ def v1_spec_metadata(drafts):
 
 
 def v1_runner(sps, ids):
+    import cpu_shim
+
+    cpu_shim.install()
     from vllm.v1.sample.rejection_sampler import RejectionSampler
     from vllm.v1.sample.sampler import Sampler
 
@@ -433,6 +436,40 @@ def _v1():
     g = np.random.default_rng(SEED)
     for i in range(BATCHES):
         v1_round(g, "chain" if i % 2 == 0 else "tree")
+
+
+# ==== defect 1 of issue 11: one chain-only request must not turn a tree into a chain ==============
+@check("defect1_mixed_batch_keeps_the_tree")
+def _defect1():
+    g = np.random.default_rng(SEED)
+    greedy = SamplingParams(temperature=0.0, max_tokens=64)
+    chained = SamplingParams(temperature=0.0, presence_penalty=0.5, max_tokens=64)
+    logits = torch.from_numpy(g.standard_normal((4, V)).astype(np.float32))
+    a = int(logits[0].argmax())
+    b = (a + 1) % V  # the root's second child: a sibling of node 1, never its child
+    drafts, parents = [[a, b], []], [[0, 0], []]
+    env(DDTREE_PATCH_ENABLE="1")
+    if FAMILY == "v1":
+        runner = v1_runner([greedy, chained], ["r0", "r1"])
+        step = hook.tree_step(runner)
+        step.attach(["r0"], torch.tensor([parents[0]], dtype=torch.int32))
+        sm = v1_metadata([greedy, chained], ["r0", "r1"], 0)
+        if hasattr(sm, "spec_token_ids"):
+            sm.spec_token_ids = drafts
+        with no_host_sync():
+            out = step.sample_v1(v1_spec_metadata(drafts), None, logits.clone(), sm).sampled_token_ids
+        row1 = int(logits[1].argmax())  # node 1 is a leaf: the Sampler's greedy token on its row
+        assert out[0].tolist() == [a, row1, -1], (out, a, b)
+    else:
+        runner, ids = v2_setup([greedy, chained], [5, 5], [0, 0])
+        step = hook.tree_step(runner)
+        step.attach(["req0"], torch.tensor([parents[0]], dtype=torch.int32))
+        ib = v2_batch(runner, ids, drafts, [3, 4], [5, 5], [2, 2])
+        with no_host_sync():
+            out = step.sample_v2(logits.clone(), ib, None, None)
+        assert int(out.num_sampled[0]) == 2 and out.sampled_token_ids[0, :2].tolist() == [a, int(logits[1].argmax())]
+        assert int(out.num_rejected[0]) == 1
+    assert step.fallbacks == {"penalties": 0} or step.tree_requests == 1, (step.fallbacks, step.tree_requests)
 
 
 print("PROBE-STATS " + json.dumps(STATS), flush=True)
