@@ -320,7 +320,7 @@ class TreeStep:
         reasons: list[str | None] = [None] * B
         src_parts = []
         offsets = np.cumsum([0, self.K] + [a.numel() for a in self._att])  # chain source first
-        for r, (rid, n) in enumerate(zip(req_ids, nd.tolist())):
+        for r, (rid, n) in enumerate(zip(req_ids, [int(x) for x in nd])):
             where = self._where.pop(rid, None)
             if self.chain_as_tree:
                 reason = step_reason or self.chain_reason(rid)

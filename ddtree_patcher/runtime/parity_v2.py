@@ -157,9 +157,9 @@ def sample(step, logits, ib, draft_logits=None, invalid_drafts=None):
     if reason is None and (B == 0 or (counts < 1).any() or logits.shape[0] != int(cu_np[B])):
         reason = "layout"
     if reason is not None:
-        step.all_chain(req_ids, num_draft.clip(0).tolist(), reason)
+        step.all_chain(req_ids, [int(x) for x in num_draft.clip(0)], reason)
         return None
-    ro = step.route(req_ids, num_draft.tolist(), None)
+    ro = step.route(req_ids, [int(x) for x in num_draft], None)
     step.account(ro)
     if not ro.tree.any():
         step.engaged = False
