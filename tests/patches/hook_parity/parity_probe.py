@@ -321,12 +321,14 @@ def v1_metadata(sps, ids, generators_seed):
     no_pen = bool((pres == 0).all() and (freq == 0).all() and (rep == 1).all())
     from vllm.v1.sample.logits_processor import LogitsProcessors
 
+    hg = torch.Generator().manual_seed(generators_seed)  # the same histories for both runs
+
     kw = dict(temperature=None if bool(greedy.all()) else temp, all_greedy=bool(greedy.all()),
               all_random=bool((~greedy).all()), top_p=top_p, top_k=top_k, generators=gens,
               max_num_logprobs=max(logprobs) if logprobs else None, no_penalties=no_pen,
-              prompt_token_ids=torch.randint(0, V, (B, 6)), frequency_penalties=freq,
+              prompt_token_ids=torch.randint(0, V, (B, 6), generator=hg), frequency_penalties=freq,
               presence_penalties=pres, repetition_penalties=rep,
-              output_token_ids=[[int(t) for t in torch.randint(0, V, (5,))] for _ in range(B)],
+              output_token_ids=[[int(t) for t in torch.randint(0, V, (5,), generator=hg)] for _ in range(B)],
               allowed_token_ids_mask=allowed, bad_words_token_ids=bad, logitsprocs=LogitsProcessors())
     names = set(inspect.signature(SamplingMetadata).parameters)
     return SamplingMetadata(**{k: v for k, v in kw.items() if k in names})
