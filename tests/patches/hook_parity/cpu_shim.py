@@ -5,13 +5,17 @@ function V2's Gumbel sampling calls (``log1p``), which the Triton interpreter do
 ``log(1 + x)`` under the interpreter (both the pristine and the hooked path see the same one).
 Call install() after torch and before the first vLLM V2 state is built."""
 import torch
-_zeros, _empty, _full, _tensor = torch.zeros, torch.empty, torch.full, torch.tensor
+_zeros, _empty, _full, _tensor, _ones = torch.zeros, torch.empty, torch.full, torch.tensor, torch.ones
 def _nopin(fn):
     def w(*a, **k):
         k.pop("pin_memory", None); return fn(*a, **k)
     return w
 def install():
-    torch.zeros, torch.empty, torch.full, torch.tensor = _nopin(_zeros), _nopin(_empty), _nopin(_full), _nopin(_tensor)
+    if getattr(torch.zeros, "_ddtree_nopin", False):
+        return
+    torch.zeros, torch.empty, torch.full, torch.tensor, torch.ones = (
+        _nopin(_zeros), _nopin(_empty), _nopin(_full), _nopin(_tensor), _nopin(_ones))
+    torch.zeros._ddtree_nopin = True
     torch.Tensor.pin_memory = lambda self, *a, **k: self
     import vllm.utils.platform_utils as pu, vllm.utils.torch_utils as tu
     pu.is_uva_available = lambda: True

@@ -3,13 +3,18 @@
 One subprocess per release (parity_probe.py, the release's own Python from the official wheel,
 the test venv's torch on CPU, the Triton interpreter): random batches mixing every sampling
 parameter the release takes, seeded and unseeded, chain-as-tree and real trees, under a guard
-that fails on any host synchronisation in the step. CI runs HOOK_PARITY_BATCHES (default 12)
-batches per family; more offline, e.g.::
+that fails on any host synchronisation in the step (group ``differential``); the regression
+tests of issue 11's defects 1-4 (group ``defects``, defects.py); chi-square tests of the tree
+path's output distribution (group ``dist``, dist.py; on DIST_FAMILIES in CI).
 
-    HOOK_PARITY_BATCHES=2000 bash scripts/run-tests.sh tests/patches/hook_parity -q
+CI: HOOK_PARITY_BATCHES (default 12) random batches per family, HOOK_PARITY_DIST_N (default
+8000) samples per distribution check. Offline, e.g. (about 2000 batches per family, every
+family's distribution checks, and the costly V2 ones at 8000 samples)::
 
-Also: the step functions contain no host-synchronising call (an AST lint), and the channel
-decisions that need no vLLM.
+    HOOK_PARITY_BATCHES=2000 HOOK_PARITY_DIST_N=128000 HOOK_PARITY_DIST_FAMILIES=all \\
+        bash scripts/run-tests.sh tests/patches/hook_parity -q
+
+Also: the step functions contain no host-synchronising call (an AST lint).
 """
 from __future__ import annotations
 
@@ -28,22 +33,43 @@ from helpers import cpu_env
 HERE = Path(__file__).resolve().parent
 FAMILIES = [("0.20.0", "v1"), ("0.28.0", "v1"), ("0.24.0", "v2"), ("0.26.0", "v2"), ("0.28.0", "v2"), ("0.33.0", "v2")]
 BATCHES = int(os.environ.get("HOOK_PARITY_BATCHES", "12"))
+_dist = os.environ.get("HOOK_PARITY_DIST_FAMILIES", "v1-0.20.0,v1-0.28.0,v2-0.33.0")
+DIST_FAMILIES = {f"{f}-{v}" for v, f in FAMILIES} if _dist == "all" else set(_dist.split(","))
+DEFECTS = {"v1": ("defect1_tree_beside_a_chain_request_stays_a_tree", "defect3_v1_logit_bias_at_the_final_token",
+                  "defect3_v1_min_p_at_the_final_token", "defect4_v1_sampled_step_has_no_host_sync",
+                  "defect4_attach_takes_device_tensors"),
+           "v2": ("defect1_tree_beside_a_chain_request_stays_a_tree", "defect2_v2_logits_processing_in_tree_mode",
+                  "defect2_v2_sampled_requests_walked")}
+DIST = {"v1": ("dist_v1_drafter_unseeded", "dist_v1_drafter_seeded", "dist_v1_builtins_unseeded",
+               "dist_v1_builtins_seeded"),
+        "v2": ("dist_v2_cheap", "dist_v2_costly")}
 
 
-@pytest.mark.parametrize("version,family", FAMILIES, ids=[f"{f}-{v}" for v, f in FAMILIES])
-def test_differential_against_real_samplers(version, family, tmp_path):
+def run_probe(version: str, family: str, groups: str, tmp_path: Path, runtime: str = "") -> tuple[dict, dict, str]:
     root = vllm_wheels.extracted(version)
-    proc = subprocess.run([sys.executable, str(HERE / "parity_probe.py"), str(root), family, str(BATCHES), "7"],
-                          capture_output=True, text=True, timeout=900, cwd=str(tmp_path),
+    proc = subprocess.run([sys.executable, str(HERE / "parity_probe.py"), str(root), family, str(BATCHES), "7",
+                           groups] + ([runtime] if runtime else []),
+                          capture_output=True, text=True, timeout=1800, cwd=str(tmp_path),
                           env=cpu_env(PYTHONDONTWRITEBYTECODE="1"))
     lines = [line for line in proc.stdout.splitlines() if line.startswith("PROBE-RESULT ")]
     if not lines:
         pytest.fail(f"probe failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     res = json.loads(lines[-1][len("PROBE-RESULT "):])
     stats = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("PROBE-STATS "))[12:])
-    for name in ("defect1_mixed_batch_keeps_the_tree", f"{family}_differential"):
-        assert res.get(name) == "ok", res.get(name, "not run")
+    return res, stats, proc.stdout
+
+
+@pytest.mark.parametrize("version,family", FAMILIES, ids=[f"{f}-{v}" for v, f in FAMILIES])
+def test_parity_against_real_samplers(version, family, tmp_path):
+    dist = f"{family}-{version}" in DIST_FAMILIES
+    res, stats, out = run_probe(version, family, "differential,defects" + (",dist" if dist else ""), tmp_path)
+    names = (f"{family}_differential",) + DEFECTS[family] + (DIST[family] if dist else ())
+    for name in names:
+        assert res.get(name) == "ok", (name, res.get(name, "not run"))
+    failed = {k: v for k, v in res.items() if v != "ok"}
+    assert not failed, failed
     assert stats["batches"] >= BATCHES // 2 and stats["tree_requests"] and stats["chain_requests"], stats
+    print("\n".join(line for line in out.splitlines() if line.startswith("DIST ")))
 
 
 # ---- no host synchronisation in the step: AST lint ------------------------------------------------
