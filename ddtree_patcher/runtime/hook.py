@@ -49,7 +49,8 @@ chain-shaped tree instead (diagnostic): greedy output is identical to vLLM's cha
 
 **In the step** (no host synchronisation; host work only on host-known data: request ids,
 draft counts): chain-only batches return None (vLLM's sampler runs untouched); tree-only batches
-run the walk; mixed batches run vLLM's rejection sampler on the whole batch first (its output
+run the walk (a request that is not tree-ok is never walked, with or without drafts); mixed
+batches run vLLM's rejection sampler on the whole batch first (its output
 for chain requests is exactly upstream's, same random draws) and then the walk, and take each
 request's row from the path that owns it. After a step, ``TreeStep`` holds persistent device
 buffers (allocated for ``max_num_reqs`` and the widest step seen): ``parent_ids``/``depths``
@@ -102,6 +103,7 @@ FALLBACK_REASONS = {
     "trace-replay": "trace replay",
     "layout": "unexpected logits layout",
     "unsupported": "runner attributes this hook does not know (other vLLM shape)",
+    "unknown-request": "the runner holds no state for the request (not cached: asked again)",
 }
 
 

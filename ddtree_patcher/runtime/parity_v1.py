@@ -20,7 +20,14 @@ a tree gives the same greedy tokens and the same output distribution.
 Tree-ok on V1: greedy, temperature, top-k, top-p, min-p, logit bias, allowed token ids, seeds,
 prompt logprobs. Chain (reason): sample logprobs (``logprobs``), penalties, bad words,
 ``min_tokens``, thinking budget, structured output (``grammar``), custom logits processors,
-synthetic and FLy modes, sampled drafts in chain-as-tree mode (``draft-probs``).
+synthetic and FLy modes, sampled drafts in chain-as-tree mode (``draft-probs``). (With a drafter
+configured vLLM rejects min-p and logit bias requests, ``SamplingParams._validate_spec_decode``,
+and ``build_logitsprocs`` builds only ``MinTokensLogitsProcessor``: both reach the step only at the
+sampler level, where the final-token Sampler call applies whatever processors are built.)
+
+Seeds: a walked request's coins and final-token noise come from its own generator; a seeded
+request verified by vLLM's sampler is drawn only by vLLM's rejection sampler (its generator
+advances exactly as upstream's).
 """
 
 from __future__ import annotations

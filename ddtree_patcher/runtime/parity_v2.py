@@ -16,8 +16,9 @@ rows (greedy: their argmax; sampled: their softmax, in-kernel Philox keyed by th
 and position, as V2 keys its Gumbel noise). The history-reading stages are the chain's, so
 requests that use them are verified by the chain sampler.
 
-Tree-ok on V2: greedy, temperature, top-k, top-p, min-p, logit bias, allowed token ids,
-``min_tokens``, seeds, prompt logprobs. Chain (reason): sample logprobs / logprob token ids
+Tree-ok on V2: greedy, temperature, top-k, top-p, min-p, logit bias (these two: vLLM rejects
+them when a drafter is configured), allowed token ids, ``min_tokens``, seeds, prompt logprobs;
+block verification (0.28+) walks too (the same output distribution). Chain (reason): sample logprobs / logprob token ids
 (``logprobs``), penalties, bad words, thinking budget, structured output (``grammar``), custom
 logits processors (0.33), synthetic and FLy modes, watermarking, adaptive verification,
 sampling masks, trace replay.

@@ -28,6 +28,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import vllm  # noqa: E402
+from vllm.v1.sample.logits_processor import LogitsProcessors  # noqa: E402
 from vllm.v1.sample.metadata import SamplingMetadata  # noqa: E402
 from vllm.v1.sample.rejection_sampler import RejectionSampler  # noqa: E402
 from vllm.v1.sample.sampler import Sampler  # noqa: E402
@@ -97,7 +98,7 @@ def sampling(B, temperature=None, top_k=None, top_p=None, generators=None, **kw)
         top_p=top_p, top_k=top_k, generators=generators or {}, max_num_logprobs=None, no_penalties=True,
         prompt_token_ids=None, frequency_penalties=torch.zeros(B), presence_penalties=torch.zeros(B),
         repetition_penalties=torch.ones(B), output_token_ids=[[] for _ in range(B)],
-        allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=SimpleNamespace(non_argmax_invariant=[]),
+        allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=LogitsProcessors(),
     )
     args.update(kw)
     return SamplingMetadata(**args)

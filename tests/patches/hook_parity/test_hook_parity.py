@@ -12,7 +12,7 @@ CI: HOOK_PARITY_BATCHES (default 12) random batches per family, HOOK_PARITY_DIST
 family's distribution checks, and the costly V2 ones at 8000 samples)::
 
     HOOK_PARITY_BATCHES=2000 HOOK_PARITY_DIST_N=128000 HOOK_PARITY_DIST_FAMILIES=all \\
-        bash scripts/run-tests.sh tests/patches/hook_parity -q
+        bash scripts/run-tests.sh tests/patches/hook_parity -q -k against_real_samplers
 
 Also: the step functions contain no host-synchronising call (an AST lint).
 """
