@@ -1,9 +1,9 @@
 """The runtime the tree-walk-hook call sites call (``patches/tree_walk_hook.py``).
 
 Imported only when DDTree is requested (``DDTREE_PATCH_ENABLE=1`` or
-``DDTREE_PATCH_CHAIN_AS_TREE=1``) on a runner's first speculative step; this module imports
-nothing heavy at import time (``HOOK_ABI`` is read by ``verify`` and the boot guard), torch and
-vLLM only inside :func:`bind`.
+``DDTREE_PATCH_CHAIN_AS_TREE=1``) on a runner's first speculative step (or earlier, by a drafter
+calling :func:`tree_step`); importing this module imports neither torch nor vLLM (``HOOK_ABI``
+is read by ``verify`` and the boot guard).
 
 The call site (one per runner) does, once per runner::
 
@@ -17,28 +17,48 @@ and each speculative step::
                                                                             # V2 sample
     if sampler_output is None: <vLLM's chain rejection sampler, unchanged>
 
-**The tree channel.** A drafter attaches the tree of each request for the draft tokens it
-proposes, before the step that verifies them::
+**One rule, decided per request.** Every request is verified with exactly the semantics vLLM
+applies to it. A request whose sampling parameters the tree path reproduces exactly is
+*tree-ok*; any other request is verified by vLLM's own rejection sampler, alone, in the same
+step (:mod:`.parity_v1`, :mod:`.parity_v2` list the parameters and the reason names).
+
+**The tree channel (for a drafter, e.g. the DDTree proposer).** Per step, for the batch it
+drafts for::
 
     from ddtree_patcher.runtime import hook
-    step = hook.tree_step(runner)          # the runner's TreeStep (None: DDTree not requested)
-    step.attach(req_id, parent_ids)        # local parents of nodes 1..n in vLLM's draft-token
-                                           # order: 0 = the root (last verified token), node j's
-                                           # parent is in [0, j-1]
+    step = hook.tree_step(runner)        # the runner's TreeStep (None: DDTree not requested)
+    ok = step.tree_ok(req_ids)           # list[bool], host-side, cached per request, no sync
+    # draft a tree for requests with ok[i], a chain (node j's parent is j - 1) for the others
+    step.attach(rows, parents)           # rows: list of req ids (None = a row to skip, e.g. a
+                                         # chain); parents: [len(rows), n] int32 on the runner's
+                                         # device: local parent of node j+1 (0 = the root, the
+                                         # request's last verified token; 0 <= parents[i, j] <= j)
 
-The hook engages for a step only when every request of the batch carries a tree whose node
-count equals its number of draft tokens (a request with no draft tokens carries the empty tree)
-and every request's sampling parameters are tree-safe (see :data:`FALLBACK_REASONS`); otherwise
-``sample_*`` returns None and vLLM's chain sampler runs. Trees are consumed by the step that
-verifies them. ``DDTREE_PATCH_CHAIN_AS_TREE=1`` submits every request's linear draft as the
-chain-shaped tree (parent of node j is j-1) instead: greedy output is then identical to vLLM's
-chain sampler.
+``attach`` keeps a reference to the tensor (no copy, no host read); the draft tokens the drafter
+hands to vLLM are the nodes in the same (node) order, parents before children. Attaching a
+request that is not tree-ok raises :class:`TreeChannelError`. A tree is consumed by the step that
+verifies that request's drafts; if the scheduler kept only the first ``k`` draft tokens, the
+first ``k`` nodes are verified (in node order they form a valid induced subtree). A request
+without an attached tree is verified by vLLM's chain sampler. An attached tree can never reach
+the chain sampler: where it would (more draft tokens than nodes, a step-level condition that
+forbids trees), the step raises :class:`TreeChannelError` instead of emitting wrong tokens.
+``attach(req_id, [p1, p2, ...])`` (one request, a list) is a convenience for tests.
 
-After an engaged step, ``TreeStep`` holds (persistent device buffers, no host sync):
-``parent_ids``/``depths`` [max_num_reqs * K] (flat, node order, first ``num_nodes`` valid),
-``accepted_rows`` [max_num_reqs, K+1] (logits row of the root and of each accepted node, -1
-padded), ``num_accepted`` [max_num_reqs]; host ints ``num_reqs``, ``num_nodes``; ``engaged``.
-The next pieces of DDTree (KV and drafter hidden-state compaction, tree attention) read them.
+``DDTREE_PATCH_CHAIN_AS_TREE=1`` verifies every tree-ok request's linear draft as the
+chain-shaped tree instead (diagnostic): greedy output is identical to vLLM's chain sampler.
+
+**In the step** (no host synchronisation; host work only on host-known data: request ids,
+draft counts): chain-only batches return None (vLLM's sampler runs untouched); tree-only batches
+run the walk (a request that is not tree-ok is never walked, with or without drafts); mixed
+batches run vLLM's rejection sampler on the whole batch first (its output
+for chain requests is exactly upstream's, same random draws) and then the walk, and take each
+request's row from the path that owns it. After a step, ``TreeStep`` holds persistent device
+buffers (allocated for ``max_num_reqs`` and the widest step seen): ``parent_ids``/``depths``
+(flat, node order, first ``num_nodes`` valid; chain requests carry the chain), ``accepted_rows``
+``[max_num_reqs, K+1]`` (logits row of the root and of the node accepted at each depth, -1
+padded; for chain requests the node-order prefix), ``num_accepted`` ``[max_num_reqs]``,
+``tree_rows`` ``[max_num_reqs]`` bool (walked by the tree path); host ``num_reqs``,
+``num_nodes``, ``engaged``. The KV / hidden-state compaction reads them.
 """
 
 from __future__ import annotations
@@ -46,7 +66,7 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from typing import Any
+from typing import Any, Sequence
 
 HOOK_ABI = 2  # the call-site <-> runtime contract; bump on any incompatible change
 ENV_ENABLE = "DDTREE_PATCH_ENABLE"
@@ -61,20 +81,38 @@ def live_steps() -> list["TreeStep"]:
     """Every TreeStep bound in this process (diagnostics and tests)."""
     return list(_LIVE)
 
-# Why a step falls back to vLLM's chain sampler (counted in TreeStep.fallbacks).
+
+# Why a request (with draft tokens) is verified by vLLM's chain sampler; counted per request in
+# TreeStep.fallbacks. Request-level reasons come from the request's sampling parameters,
+# step-level ones from the runner's configuration or this step's inputs.
 FALLBACK_REASONS = {
-    "no-tree": "a request with draft tokens carries no tree (or one of the wrong size)",
-    "logprobs": "logprobs requested (per-position logprobs of the tree are not computed yet)",
-    "penalties": "presence/frequency/repetition penalties (depend on the branch's prefix)",
-    "bad-words": "bad words (depend on the branch's prefix)",
-    "allowed-token-ids": "allowed_token_ids / logit bias masks",
-    "logits-processors": "logits processors that read output history (min_tokens, thinking budget, ...)",
-    "min-p": "min_p (V2)",
-    "grammar": "structured output with per-draft validity (V2 invalid_drafts)",
+    "no-tree": "no tree attached (the drafter submitted a chain)",
+    "logprobs": "sample logprobs requested (per-node logprobs are not computed by the tree path)",
+    "penalties": "presence/frequency/repetition penalties (per-branch histories not implemented)",
+    "bad-words": "bad words (per-branch histories not implemented)",
+    "min-tokens": "min_tokens (V1: the rejection sampler's per-position rule is not reproduced)",
+    "thinking-budget": "thinking token budget (reads the branch's history)",
+    "grammar": "structured output (grammar bitmask rows are built along the chain)",
+    "custom-logits-processors": "custom logits processors are loaded (they may read the history)",
+    "draft-probs": "chain-as-tree with sampled drafts (draft probabilities): the chain rule is the exact one",
     "synthetic": "synthetic rejection sampling mode",
+    "fly": "FLy (lossy) verification mode",
+    "watermark": "watermarking",
+    "adaptive-verification": "adaptive verification (compacted logits)",
+    "sampling-mask": "the runner returns sampling masks",
+    "trace-replay": "trace replay",
     "layout": "unexpected logits layout",
     "unsupported": "runner attributes this hook does not know (other vLLM shape)",
+    "unknown-request": "the runner holds no state for the request (not cached: asked again)",
 }
+
+
+class TreeChannelError(RuntimeError):
+    """An attached (possibly branching) tree would be verified as a chain, or a channel misuse."""
+
+
+class HookABIError(RuntimeError):
+    pass
 
 
 def _flag(name: str) -> bool:
@@ -88,10 +126,6 @@ def requested() -> bool:
 
 def chain_as_tree() -> bool:
     return _flag(ENV_CHAIN)
-
-
-class HookABIError(RuntimeError):
-    pass
 
 
 def check_abi(hook_abi: int) -> None:
@@ -108,6 +142,9 @@ def bind(runner: Any, kind: str, *, hook_abi: int) -> "TreeStep":
     check_abi(hook_abi)
     if kind not in RUNNERS:
         raise ValueError(f"ddtree-patch: unknown runner kind {kind!r}")
+    step = runner.__dict__.get("ddtree_hook")
+    if isinstance(step, TreeStep):  # a drafter bound it first (tree_step)
+        return step
     step = TreeStep(runner, kind)
     runner.__dict__["ddtree_hook"] = step
     try:
@@ -125,8 +162,8 @@ def bind(runner: Any, kind: str, *, hook_abi: int) -> "TreeStep":
 
 
 def tree_step(runner: Any) -> "TreeStep | None":
-    """The runner's TreeStep, creating it when DDTree is requested (for drafters that attach
-    trees before the first verification step); None when DDTree is not requested."""
+    """The runner's TreeStep, creating it when DDTree is requested (a drafter calls this once,
+    e.g. when it is built, before its first draft); None when DDTree is not requested."""
     step = runner.__dict__.get("ddtree_hook")
     if step is None and requested():
         v2 = type(runner).__module__.endswith(".gpu.model_runner") or hasattr(runner, "req_states")
@@ -139,8 +176,15 @@ def _use_reference(dev) -> bool:
     return dev.type != "cuda" and not _flag("TRITON_INTERPRET")
 
 
+class Routing:
+    """Host-side plan of one step: which request goes where, and the index arrays (numpy) that
+    map the attached parents onto vLLM's flat draft layout."""
+
+    __slots__ = ("B", "num_draft", "tree", "reasons", "src", "maxn", "ND", "T")
+
+
 class TreeStep:
-    """Per-runner tree state: the pending trees (the tree channel) and the last step's result."""
+    """Per-runner tree state: the tree channel (pending trees) and the last step's result."""
 
     def __init__(self, runner: Any, kind: str):
         import torch
@@ -153,13 +197,21 @@ class TreeStep:
         self.K = int(getattr(spec, "num_speculative_tokens", 0) or 0)
         self.max_num_reqs = int(getattr(runner, "max_num_reqs", 0) or 0) or int(
             getattr(getattr(runner, "scheduler_config", None), "max_num_seqs", 256))
-        self._pending: dict[str, list[int]] = {}
-        self.fallbacks: dict[str, int] = {}
-        self.engaged_steps = 0
+        self._att: list = []  # attached parent tensors of the pending trees
+        self._where: dict[str, tuple[int, int]] = {}  # req id -> (attachment, row)
+        self._reason_cache: dict[str, str | None] = {}
+        self.fallbacks: dict[str, int] = {}  # reason -> requests verified by the chain sampler
+        self.tree_requests = 0  # requests verified by the tree walk
+        self.engaged_steps = 0  # steps in which the walk ran
+        self.chain_steps = 0  # steps that ran vLLM's sampler (alone or with the walk)
         self.engaged = False
         self.num_reqs = 0
         self.num_nodes = 0
         self._alloc(max(self.K, 1))
+        if kind == "V2":
+            from . import parity_v2
+
+            parity_v2.watch_grammar(self)
         _LIVE.add(self)
 
     # ---- persistent buffers ------------------------------------------------------------------
@@ -172,73 +224,216 @@ class TreeStep:
         self.depths = torch.zeros(n * self.K, dtype=i32, device=dev)
         self.accepted_rows = torch.full((n, self.K + 1), -1, dtype=i32, device=dev)
         self.num_accepted = torch.zeros(n, dtype=i32, device=dev)
-        pin = dev.type == "cuda"
-        # two pinned staging slots, used in turn: an upload never overwrites host memory that the
-        # previous step's asynchronous copy may still be reading
-        self._stage = torch.zeros((2, 2, n * self.K), dtype=i32, pin_memory=pin)
-        self._slot = 0
+        self.tree_rows = torch.zeros(n, dtype=torch.bool, device=dev)
+        self._chain_src = torch.arange(self.K, dtype=i32, device=dev)  # chain parents 0..K-1
 
-    # ---- the tree channel --------------------------------------------------------------------
-    def attach(self, req_id: str, parent_ids) -> None:
-        """Attach the tree of ``req_id``'s next draft: local parent of nodes 1..n (0 = root)."""
-        par = [int(p) for p in (parent_ids.tolist() if hasattr(parent_ids, "tolist") else parent_ids)]
-        for j, p in enumerate(par, start=1):
-            if not 0 <= p < j:
-                raise ValueError(f"ddtree-patch: tree of {req_id!r}: node {j} has parent {p}, "
-                                 f"expected 0 <= parent < {j} (parents before children)")
-        self._pending[req_id] = par
+    def _ensure(self, B: int, k: int) -> None:
+        if k > self.K or B > self.max_num_reqs:
+            self.max_num_reqs = max(self.max_num_reqs, B)
+            self._alloc(k)
 
-    def detach(self, req_id: str) -> None:
-        self._pending.pop(req_id, None)
-
-    def _trees(self, req_ids, num_draft: list[int]) -> list[list[int]] | None:
-        """Parents of every request of the batch, or None (fallback). Consumes the trees."""
-        if self.chain_as_tree:
-            return [list(range(n)) for n in num_draft]
-        trees = [self._pending.pop(r, None) for r in req_ids]
-        out = []
-        for tree, n in zip(trees, num_draft):
-            if n == 0:
-                out.append([])
-            elif tree is None or len(tree) != n:
-                return None
-            else:
-                out.append(tree)
-        return out
-
-    def _fallback(self, reason: str) -> None:
-        self.engaged = False
-        self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
-        if self.fallbacks[reason] == 1:
-            logger.info("ddtree-patch: chain sampler for this step: %s", FALLBACK_REASONS[reason])
-        return None
-
-    def _upload(self, trees: list[list[int]]):
-        """Parents and depths into the persistent device buffers (one H2D copy, no sync)."""
+    def upload(self, array, dtype=None):
+        """A host numpy array on the runner's device: pinned staging, non-blocking (no sync)."""
         import torch
 
-        nd = sum(len(t) for t in trees)
-        k = max((len(t) for t in trees), default=0)
-        if k > self.K or len(trees) > self.max_num_reqs:
-            self.max_num_reqs = max(self.max_num_reqs, len(trees))
-            self._alloc(k)
-        flat_p, flat_d = [], []
-        for t in trees:
-            depth = [0]
-            for p in t:
-                depth.append(depth[p] + 1)
-            flat_p.extend(t)
-            flat_d.extend(depth[1:])
-        self._slot ^= 1
-        stage = self._stage[self._slot, :, :nd]
-        stage[0] = torch.tensor(flat_p, dtype=torch.int32)
-        stage[1] = torch.tensor(flat_d, dtype=torch.int32)
-        self.parent_ids[:nd].copy_(stage[0], non_blocking=True)
-        self.depths[:nd].copy_(stage[1], non_blocking=True)
-        self.num_nodes = nd
-        return self.parent_ids[:nd]
+        t = torch.from_numpy(array)
+        if dtype is not None:
+            t = t.to(dtype)
+        if self.device.type == "cuda":
+            t = t.pin_memory()
+            return t.to(self.device, non_blocking=True)
+        return t
 
-    def _verify(self, draft_token_ids, parents, cu, width, max_nodes, **kw):
+    # ---- the tree channel --------------------------------------------------------------------
+    def chain_reason(self, req_id: str) -> str | None:
+        """Why ``req_id`` must be verified by vLLM's chain sampler (a FALLBACK_REASONS key), or
+        None when the tree path reproduces its sampling semantics exactly. Host-only."""
+        if req_id in self._reason_cache:
+            return self._reason_cache[req_id]
+        from . import parity_v1, parity_v2
+
+        mod = parity_v1 if self.kind == "V1" else parity_v2
+        reason = mod.runner_reason(self) or mod.request_reason(self, req_id)
+        if reason != "unknown-request":
+            self._reason_cache[req_id] = reason
+        return reason
+
+    def tree_ok(self, req_ids):
+        """True where the request may be drafted as a tree (str -> bool, list -> list[bool])."""
+        if isinstance(req_ids, str):
+            return self.chain_reason(req_ids) is None
+        return [self.chain_reason(r) is None for r in req_ids]
+
+    def forget(self, req_id: str) -> None:
+        """Drop cached decisions and a pending tree (a finished request's id may be reused)."""
+        self._reason_cache.pop(req_id, None)
+        self._where.pop(req_id, None)
+
+    def attach(self, req_ids, parents) -> None:
+        """Attach trees: ``parents[i]`` (local parents of nodes 1..n, 0 = root) is the tree of
+        ``req_ids[i]``; a None id skips that row. ``parents`` is an int tensor ``[R, n]``
+        (kept by reference, not copied, never read on the host), or for one request
+        ``attach(req_id, [p1, ..., pn])`` (checked on the host)."""
+        import torch
+
+        if isinstance(req_ids, str):
+            par = [int(p) for p in (parents.tolist() if hasattr(parents, "tolist") else parents)]
+            for j, p in enumerate(par, start=1):
+                if not 0 <= p < j:
+                    raise ValueError(f"ddtree-patch: tree of {req_ids!r}: node {j} has parent {p}, "
+                                     f"expected 0 <= parent < {j} (parents before children)")
+            req_ids = [req_ids]
+            parents = torch.tensor([par], dtype=torch.int32).to(self.device)
+        if not isinstance(parents, torch.Tensor) or parents.ndim != 2 or parents.shape[0] != len(req_ids):
+            raise TreeChannelError("ddtree-patch: attach(req_ids, parents): parents must be an int "
+                                   f"tensor [len(req_ids), n], got {getattr(parents, 'shape', type(parents))}")
+        if parents.dtype not in (torch.int32, torch.int64):
+            raise TreeChannelError(f"ddtree-patch: attach: parents must be int32/int64, got {parents.dtype}")
+        if parents.device != self.device:
+            raise TreeChannelError(f"ddtree-patch: attach: parents are on {parents.device}, the runner "
+                                   f"verifies on {self.device} (build them there: no host copy)")
+        for rid in req_ids:
+            if rid is not None and (reason := self.chain_reason(rid)) is not None:
+                raise TreeChannelError(
+                    f"ddtree-patch: request {rid!r} cannot be verified as a tree ({reason}: "
+                    f"{FALLBACK_REASONS.get(reason, reason)}); ask step.tree_ok() before drafting and "
+                    "submit a chain for it without attaching")
+        if not self._where:
+            self._att.clear()  # no pending tree references older attachments
+        k = len(self._att)
+        self._att.append(parents.contiguous())
+        for i, rid in enumerate(req_ids):
+            if rid is not None:
+                self._where[rid] = (k, i)
+
+    def detach(self, req_id: str) -> None:
+        self._where.pop(req_id, None)
+
+    # ---- routing (host) ------------------------------------------------------------------------
+    def route(self, req_ids: Sequence[str], num_draft: Sequence[int], step_reason: str | None) -> Routing:
+        """Decide per request (tree walk or vLLM's chain sampler) and consume the pending trees.
+        Raises TreeChannelError where an attached tree would reach the chain sampler."""
+        import numpy as np
+
+        B = len(num_draft)
+        nd = np.asarray(num_draft, dtype=np.int64)
+        self._ensure(B, int(nd.max(initial=0)))  # the chain source covers every draft
+        tree = np.zeros(B, dtype=bool)
+        reasons: list[str | None] = [None] * B
+        src_parts = []
+        offsets = np.cumsum([0, self.K] + [a.numel() for a in self._att])  # chain source first
+        for r, (rid, n) in enumerate(zip(req_ids, [int(x) for x in nd])):
+            where = self._where.pop(rid, None)
+            if self.chain_as_tree:
+                reason = step_reason or self.chain_reason(rid)
+                if where is not None:
+                    raise TreeChannelError("ddtree-patch: DDTREE_PATCH_CHAIN_AS_TREE=1 verifies linear "
+                                           f"drafts; request {rid!r} carries an attached tree")
+            elif where is None:
+                reason = "no-tree"
+            else:
+                reason = step_reason or self.chain_reason(rid)
+                if reason is not None:
+                    raise TreeChannelError(
+                        f"ddtree-patch: request {rid!r} carries a tree but this step verifies it with "
+                        f"vLLM's chain sampler ({reason}: {FALLBACK_REASONS.get(reason, reason)}); "
+                        "refusing to emit tokens verified against the wrong rows")
+                k, row = where
+                width = self._att[k].shape[1]
+                if n > width:
+                    raise TreeChannelError(
+                        f"ddtree-patch: request {rid!r} has {n} draft tokens but its attached tree "
+                        f"has {width} nodes")
+            if n == 0 and reason == "no-tree":
+                # nothing to verify: a tree-ok request may take either path, any other request
+                # only vLLM's (its sampling parameters may read the history, seeds must match)
+                reason = self.chain_reason(rid)
+            if reason is None:
+                tree[r] = True
+                if where is None:
+                    src_parts.append(np.arange(n, dtype=np.int64))  # chain-shaped (chain-as-tree)
+                else:
+                    k, row = where
+                    src_parts.append(offsets[k + 1] + row * self._att[k].shape[1] + np.arange(n))
+            else:
+                reasons[r] = reason
+                src_parts.append(np.arange(n, dtype=np.int64))  # the chain, for the buffers
+        # Requests without draft tokens go with the others: through vLLM's sampler when it runs
+        # anyway (exact parity), through the walk only in an all-tree step.
+        drafted = nd > 0
+        walk_any = bool((tree & drafted).any())
+        chain_any = any(reason is not None for reason in reasons)
+        tree[~drafted] &= walk_any and not chain_any
+        ro = Routing()
+        ro.B, ro.num_draft, ro.tree, ro.reasons = B, nd, tree, reasons
+        ro.src = np.concatenate(src_parts) if src_parts else np.zeros(0, np.int64)
+        ro.maxn = int(nd.max(initial=0))
+        ro.ND = int(nd.sum())
+        ro.T = ro.ND + B
+        return ro
+
+    def account(self, ro: Routing) -> None:
+        """Per-request counters of one step (host)."""
+        drafted = ro.num_draft > 0
+        for r in range(ro.B):
+            if ro.reasons[r] is not None and drafted[r]:
+                self._count(ro.reasons[r])
+        self.tree_requests += int((ro.tree & drafted).sum())
+
+    def _count(self, reason: str) -> None:
+        self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
+        if self.fallbacks[reason] == 1 and reason != "no-tree":
+            logger.info("ddtree-patch: vLLM's chain sampler verifies requests with %s",
+                        FALLBACK_REASONS.get(reason, reason))
+
+    def all_chain(self, req_ids, num_draft, reason: str) -> None:
+        """A step verified entirely by vLLM's chain sampler (no tree attached may be pending)."""
+        for rid, n in zip(req_ids, num_draft):
+            if rid in self._where:
+                raise TreeChannelError(
+                    f"ddtree-patch: request {rid!r} carries a tree but this step verifies it with "
+                    f"vLLM's chain sampler ({reason}: {FALLBACK_REASONS.get(reason, reason)})")
+            if n:
+                self._count(reason)
+        self.engaged = False
+        self.chain_steps += 1
+
+    # ---- device side: tree tensors of one step (no host sync) -------------------------------
+    def tree_tensors(self, ro: Routing):
+        """Flat local parents [ND] (int32), per-row depth [T] (int64), per-row "has a child" [T]
+        (bool), node rows [ND] (int64), root rows [B] (int64), all on the runner's device."""
+        import numpy as np
+        import torch
+
+        dev = self.device
+        srcs = [self._chain_src] + [a.reshape(-1).to(torch.int32) for a in self._att]
+        src_all = torch.cat(srcs) if len(srcs) > 1 else srcs[0]
+        nd = ro.num_draft
+        starts = np.concatenate([[0], np.cumsum(nd)[:-1]]).astype(np.int64)
+        root_np = starts + np.arange(ro.B, dtype=np.int64)
+        req_of_node = np.repeat(np.arange(ro.B, dtype=np.int64), nd)
+        node_np = np.arange(ro.ND, dtype=np.int64) + req_of_node + 1
+        idx = self.upload(ro.src)
+        node_rows = self.upload(node_np)
+        root_rows = self.upload(root_np)
+        node_root = self.upload(root_np[req_of_node])
+        parents = src_all[idx] if ro.ND else torch.zeros(0, dtype=torch.int32, device=dev)
+        T = ro.T
+        rowpar = torch.arange(T, dtype=torch.int64, device=dev)
+        rowpar[node_rows] = node_root + parents.to(torch.int64)
+        depth = torch.zeros(T, dtype=torch.int64, device=dev)
+        depth[node_rows] = 1
+        a = rowpar
+        for _ in range(max(ro.maxn, 1).bit_length()):  # pointer jumping: ceil(log2(maxn + 1))
+            depth = depth + depth[a]
+            a = a[a]
+        has_child = torch.zeros(T, dtype=torch.bool, device=dev)
+        has_child[rowpar[node_rows]] = True
+        if not self._where:
+            self._att.clear()  # every attached tree consumed: drop the references
+        return parents.contiguous(), depth, has_child, node_rows, root_rows
+
+    def verify(self, draft_token_ids, parents, cu, width, max_nodes, **kw):
         from ddtree_patcher.kernels import tree_verify, tree_verify_ref
 
         fn = tree_verify_ref if _use_reference(draft_token_ids.device) else tree_verify
@@ -247,219 +442,42 @@ class TreeStep:
         return fn(draft_token_ids, parents, cu, width=width, max_num_nodes=max(max_nodes, 1),
                   check_data=False, **kw)
 
-    def _keep(self, num_acc, rows, B: int) -> None:
-        W = rows.shape[1]
-        if W > self.K + 1 or B > self.max_num_reqs:
-            self.max_num_reqs = max(self.max_num_reqs, B)
-            self._alloc(W - 1)
+    def keep(self, ro: Routing, parents, depth, node_rows, rows, num_acc, tree_mask) -> None:
+        """The step's result into the persistent buffers (device copies only)."""
+        B, W = rows.shape
+        self._ensure(B, W - 1)
+        nd = ro.ND
+        self.parent_ids[:nd].copy_(parents)
+        self.depths[:nd].copy_(depth[node_rows].to(self.depths.dtype))
+        self.accepted_rows[:B].fill_(-1)
         self.accepted_rows[:B, :W].copy_(rows)
         self.num_accepted[:B].copy_(num_acc)
+        self.tree_rows[:B].copy_(tree_mask)
         self.num_reqs = B
+        self.num_nodes = nd
         self.engaged = True
         self.engaged_steps += 1
 
-    # ---- V1: GPUModelRunner._sample ----------------------------------------------------------
+    # ---- the two call sites ------------------------------------------------------------------
     def sample_v1(self, metadata, draft_probs, logits, sampling_metadata):
-        """vLLM's ``SamplerOutput`` (left-packed ``[B, max_spec_len + 1]`` int32, -1 padded)
-        for a tree batch, or None (then vLLM's chain sampler runs)."""
-        import torch
+        """vLLM's ``SamplerOutput`` (left-packed ``[B, max_spec_len + 1]`` int32, -1 padded),
+        or None (then vLLM's chain sampler runs alone)."""
+        from . import parity_v1
 
-        sm = sampling_metadata
-        num_draft = list(metadata.num_draft_tokens)
-        B = len(num_draft)
-        req_ids = list(self.runner.input_batch.req_ids[:B])
-        trees = self._trees(req_ids, num_draft)
-        if trees is None:
-            return self._fallback("no-tree")
-        reason = _v1_unsafe(sm, getattr(self.runner, "rejection_sampler", None))
-        if reason:
-            return self._fallback(reason)
-        nd = int(metadata.draft_token_ids.shape[0])
-        if logits is None or logits.shape[0] != nd + B or nd != sum(num_draft):
-            return self._fallback("layout")
-        parents = self._upload(trees)
-        W = int(metadata.max_spec_len) + 1
-        cu = metadata.cu_num_draft_tokens
-        if sm.all_greedy:
-            out, num_acc, rows = self._verify(metadata.draft_token_ids, parents, cu, W, W - 1,
-                                              target_argmax=logits.argmax(dim=-1))
-        else:
-            counts = torch.tensor([n + 1 for n in num_draft], device="cpu")
-            probs, is_greedy = _v1_probs(logits, sm, metadata, counts)
-            coins, inv_noise = _v1_randomness(sm, num_draft, probs.shape[1], logits.device)
-            out, num_acc, rows = self._verify(
-                metadata.draft_token_ids, parents, cu, W, W - 1,
-                target_argmax=logits.argmax(dim=-1), target_probs=probs, is_greedy=is_greedy,
-                coins=coins, inv_exp_noise=inv_noise)
-        self._keep(num_acc, rows, B)
-        from vllm.v1.outputs import SamplerOutput
+        return parity_v1.sample(self, metadata, draft_probs, logits, sampling_metadata)
 
-        return SamplerOutput(sampled_token_ids=out, logprobs_tensors=None)
-
-    # ---- V2: GPUModelRunner.sample (0.24+) ---------------------------------------------------
     def sample_v2(self, logits, input_batch, draft_logits=None, invalid_drafts=None):
-        """V2's ``SamplerOutput`` with ``num_sampled``/``num_rejected`` computed exactly as
-        upstream (both 0 for requests still in chunked prefill), or None."""
-        import numpy as np
-        import torch
+        """V2's ``SamplerOutput`` with ``num_sampled``/``num_rejected`` as upstream computes them
+        (both 0 for requests still in chunked prefill), or None."""
+        from . import parity_v2
 
-        if invalid_drafts is not None:
-            return self._fallback("grammar")
-        runner = self.runner
-        try:
-            sampler = runner.sampler
-            states = sampler.sampling_states
-            idx_np = input_batch.idx_mapping_np
-            cu_np = np.asarray(input_batch.cu_num_logits_np)
-            B = int(input_batch.num_reqs)
-        except AttributeError:
-            return self._fallback("unsupported")
-        counts = np.diff(cu_np[: B + 1]).astype(np.int64)
-        if B == 0 or (counts < 1).any() or logits.shape[0] != int(cu_np[B]):
-            return self._fallback("layout")
-        num_draft = [int(c) - 1 for c in counts]
-        trees = self._trees(list(input_batch.req_ids[:B]), num_draft)
-        if trees is None:
-            return self._fallback("no-tree")
-        reason = _v2_unsafe(sampler, states, idx_np[:B], getattr(runner, "rejection_sampler", None))
-        if reason:
-            return self._fallback(reason)
-        dev = logits.device
-        T = int(cu_np[B])
-        root_np = cu_np[:B].astype(np.int64)
-        node_np = np.setdiff1d(np.arange(T, dtype=np.int64), root_np, assume_unique=True)
-        node_rows = torch.from_numpy(node_np).to(dev, non_blocking=True)
-        root_rows = torch.from_numpy(root_np).to(dev, non_blocking=True)
-        draft = input_batch.input_ids[input_batch.logits_indices[node_rows]].to(torch.int32)
-        cu = torch.from_numpy(np.cumsum(num_draft).astype(np.int32)).to(dev, non_blocking=True)
-        parents = self._upload(trees)
-        steps = getattr(getattr(runner, "rejection_sampler", None), "num_speculative_steps", None)
-        W = int(steps if steps is not None else max(num_draft)) + 1
-        W = max(W, max(num_draft) + 1)
-        temps = np.asarray(states.temperature.np[idx_np[:B]], dtype=np.float32)
-        argmax = logits.argmax(dim=-1)
-        if (temps == 0).all():
-            out, num_acc, rows = self._verify(draft, parents, cu, W, W - 1, target_argmax=argmax)
-        else:
-            rep = torch.from_numpy(counts)
-            t_rows = torch.from_numpy(np.where(temps == 0, 1.0, temps).astype(np.float32))
-            t_rows = t_rows.repeat_interleave(rep).to(dev, non_blocking=True)
-            x = logits.to(torch.float32) / t_rows.unsqueeze(1)
-            k_np = np.asarray(states.top_k.np[idx_np[:B]])
-            p_np = np.asarray(states.top_p.np[idx_np[:B]], dtype=np.float32)
-            k = p = None
-            if (k_np != logits.shape[1]).any():
-                k = torch.from_numpy(k_np.astype(np.int64)).repeat_interleave(rep).to(dev, non_blocking=True)
-            if (p_np != 1.0).any():
-                p = torch.from_numpy(p_np).repeat_interleave(rep).to(dev, non_blocking=True)
-            x = _top_k_top_p(x, k, p)
-            probs = torch.softmax(x, dim=-1)
-            is_greedy = torch.from_numpy(temps == 0).to(dev, non_blocking=True)
-            seeds = states.seeds.gpu[input_batch.idx_mapping].to(torch.int64)
-            positions = input_batch.positions[input_batch.logits_indices[root_rows]].to(torch.int64)
-            out, num_acc, rows = self._verify(draft, parents, cu, W, W - 1, target_argmax=argmax,
-                                              target_probs=probs, is_greedy=is_greedy,
-                                              seeds=seeds, positions=positions)
-        self._keep(num_acc, rows, B)
-        from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
-        from vllm.v1.worker.gpu.sample.output import SamplerOutput
-
-        req_states = getattr(runner, "req_states", None) or sampler.req_states
-        num_sampled, num_rejected = get_num_sampled_and_rejected(
-            (num_acc + 1).to(torch.int32), input_batch.seq_lens, input_batch.cu_num_logits,
-            input_batch.idx_mapping, req_states.prefill_len.gpu)
-        num_nans = None
-        if getattr(sampler, "compute_nans", False):
-            from vllm.v1.worker.gpu.metrics.logits import get_num_nans
-
-            num_nans = get_num_nans(logits)
-        return SamplerOutput(sampled_token_ids=out.to(torch.int64), logprobs_tensors=None,
-                             num_nans=num_nans, num_sampled=num_sampled, num_rejected=num_rejected)
+        return parity_v2.sample(self, logits, input_batch, draft_logits, invalid_drafts)
 
 
-# ---- sampling parameters -------------------------------------------------------------------------
-def _v1_unsafe(sm, rejection_sampler) -> str | None:
-    if getattr(rejection_sampler, "synthetic_mode", False):
-        return "synthetic"
-    if sm.max_num_logprobs is not None or getattr(sm, "logprob_token_ids", None):
-        return "logprobs"
-    if not sm.no_penalties:
-        return "penalties"
-    if sm.bad_words_token_ids:
-        return "bad-words"
-    if sm.allowed_token_ids_mask is not None:
-        return "allowed-token-ids"
-    for proc in getattr(sm.logitsprocs, "non_argmax_invariant", ()):
-        if getattr(proc, "min_toks", None):
-            return "logits-processors"
-    holder = getattr(sm, "thinking_budget_state_holder", None)
-    if holder is not None and holder.has_tracked_requests():
-        return "logits-processors"
-    return None
-
-
-def _v2_unsafe(sampler, states, idx_np, rejection_sampler) -> str | None:
-    import numpy as np
-
-    if getattr(rejection_sampler, "synthetic_conditional_rates", None) is not None:
-        return "synthetic"
-    try:
-        from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
-    except ImportError:
-        NO_LOGPROBS = -1
-    if states.max_num_logprobs(idx_np) != NO_LOGPROBS:
-        return "logprobs"
-    needs = getattr(sampler, "needs_logits_processing", None)
-    if needs is not None and bool(np.any(needs[idx_np])):
-        return "penalties"
-    min_p = getattr(states, "min_p", None)
-    if min_p is not None and bool(np.any(min_p.np[idx_np] != 0.0)):
-        return "min-p"
-    return None
-
-
-def _top_k_top_p(x, k, p):
-    if k is None and p is None:
-        return x
-    from vllm.v1.sample.ops import topk_topp_sampler as ops
-
-    if x.device.type == "cuda":
-        return ops.apply_top_k_top_p(x, k, p)
-    return ops.apply_top_k_top_p_pytorch(x, k, p)  # vLLM's CPU path
-
-
-def _v1_probs(logits, sm, metadata, counts):
-    """Per-row probabilities after temperature, top-k and top-p (vLLM's own ops), one row per
-    node including each root, and the per-request greedy mask."""
+def chain_rows(root_rows, num_acc, W: int):
+    """accepted_rows of chain-verified requests: root + 0..a, -1 after (device)."""
     import torch
 
-    dev = logits.device
-    rep = counts.to(dev, non_blocking=True)
-    temp = sm.temperature
-    is_greedy = temp == 0
-    t_rows = torch.where(is_greedy, torch.ones_like(temp), temp).repeat_interleave(rep)
-    x = logits.to(torch.float32) / t_rows.unsqueeze(1)
-    k = sm.top_k.repeat_interleave(rep) if sm.top_k is not None else None
-    p = sm.top_p.repeat_interleave(rep) if sm.top_p is not None else None
-    x = _top_k_top_p(x, k, p)
-    return torch.softmax(x, dim=-1), is_greedy
-
-
-def _v1_randomness(sm, num_draft: list[int], vocab: int, dev):
-    """Coins (one per row) and 1/Exp(1) noise (one row per request) drawn like vLLM's
-    rejection sampler: the global generator, then each seeded request's own generator."""
-    import torch
-
-    B = len(num_draft)
-    T = sum(num_draft) + B
-    coins = torch.rand(T, dtype=torch.float64, device=dev)
-    q = torch.empty((B, vocab), dtype=torch.float32, device=dev).exponential_()
-    if sm.generators:
-        starts = [0]
-        for n in num_draft:
-            starts.append(starts[-1] + n + 1)
-        for i, gen in sm.generators.items():
-            if i < B:
-                coins[starts[i]:starts[i + 1]].uniform_(generator=gen)
-                q[i].exponential_(generator=gen)
-    return coins, q.reciprocal_()
+    col = torch.arange(W, device=root_rows.device)
+    rows = root_rows[:, None] + col[None, :]
+    return torch.where(col[None, :] <= num_acc[:, None].to(col.dtype), rows, -1).to(torch.int32)

@@ -159,14 +159,10 @@ def unit_probe(tmp_path_factory):
 
 PROBES = (
     "v1_tree_greedy_equals_reference",
-    "v1_tree_sampled_equals_reference",
     "v1_linear_batch_equals_pristine",
     "v1_unsafe_sampling_falls_back_to_pristine",
     "v1_missing_runtime_is_a_clear_error",
     "v2_module_imports_patched",
-    "v2_tree_greedy_equals_reference_and_prefill_rule",
-    "v2_linear_batch_runs_chain_sampler",
-    "v2_chain_as_tree_sampled_runs_kernel",
 )
 
 
@@ -259,14 +255,15 @@ def test_end_to_end_vllm_cpu(tmp_path, cli):
     subprocess.run([sys.executable, str(TOOLS / "make_tiny_ckpts.py"), str(ckpt), "float32"], check=True,
                    capture_output=True)
     patched_path = f"{site}{os.pathsep}{tools}"
-    # The first run alone (it writes the wheel's bytecode), then the other three, two at a time.
+    # The first run alone (it writes the wheel's bytecode), then the other three, two at a time
+    # (DDTREE_E2E_JOBS=1: one engine at a time, on a machine shared with other work).
     runs = {"nospec": _engine_run("nospec", str(full), ckpt, tmp_path / "nospec.log", False)}
     todo = {
         "unpatched-spec": (str(full), True, {}),
         "patched-off": (patched_path, True, {}),
         "patched-chain-as-tree": (patched_path, True, {"DDTREE_PATCH_CHAIN_AS_TREE": "1"}),
     }
-    with ThreadPoolExecutor(2) as pool:
+    with ThreadPoolExecutor(int(os.environ.get("DDTREE_E2E_JOBS", "2"))) as pool:
         futs = {tag: pool.submit(_engine_run, tag, path, ckpt, tmp_path / f"{tag}.log", spec, **env)
                 for tag, (path, spec, env) in todo.items()}
         runs.update({tag: f.result() for tag, f in futs.items()})

@@ -28,6 +28,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import vllm  # noqa: E402
+from vllm.v1.sample.logits_processor import LogitsProcessors  # noqa: E402
 from vllm.v1.sample.metadata import SamplingMetadata  # noqa: E402
 from vllm.v1.sample.rejection_sampler import RejectionSampler  # noqa: E402
 from vllm.v1.sample.sampler import Sampler  # noqa: E402
@@ -97,7 +98,7 @@ def sampling(B, temperature=None, top_k=None, top_p=None, generators=None, **kw)
         top_p=top_p, top_k=top_k, generators=generators or {}, max_num_logprobs=None, no_penalties=True,
         prompt_token_ids=None, frequency_penalties=torch.zeros(B), presence_penalties=torch.zeros(B),
         repetition_penalties=torch.ones(B), output_token_ids=[[] for _ in range(B)],
-        allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=SimpleNamespace(non_argmax_invariant=[]),
+        allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=LogitsProcessors(),
     )
     args.update(kw)
     return SamplingMetadata(**args)
@@ -115,8 +116,12 @@ class FakeBatchV1:
 class FakeRunnerV1:
     """The attributes GPUModelRunner._sample reads, with vLLM's real samplers."""
 
-    def __init__(self, req_ids, sm):
+    def __init__(self, req_ids, sm, params=None):
+        from vllm.sampling_params import SamplingParams
+
         self.input_batch = FakeBatchV1(req_ids, sm)
+        self.requests = {r: SimpleNamespace(sampling_params=(params or {}).get(r, SamplingParams(temperature=0.0)))
+                         for r in req_ids}
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler(self.sampler)
         self.use_async_scheduling = False
@@ -191,47 +196,7 @@ def _():
         assert step.engaged and step.num_reqs == len(sizes)
         assert torch.equal(step.accepted_rows[: len(sizes), : rows.shape[1]], rows)
         assert torch.equal(step.num_accepted[: len(sizes)], acc)
-        assert not step._pending  # consumed
-
-
-@check("v1_tree_sampled_equals_reference")
-def _():
-    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch as apply_top_k_top_p
-
-    env(DDTREE_PATCH_ENABLE="1")
-    for seed in range(4):
-        sizes, parents, drafts, logits = random_batch(100 + seed)
-        B = len(sizes)
-        md = metadata(drafts)
-        temp = torch.tensor([0.0, 0.7, 1.3][:B])  # request 0 greedy, the others sampled
-        top_k = torch.tensor([V, 8, V][:B])
-        top_p = torch.tensor([1.0, 1.0, 0.9][:B])
-        gens = {1: torch.Generator().manual_seed(7)}
-        ids = [f"r{i}" for i in range(B)]
-        runner = FakeRunnerV1(ids, sampling(B, temperature=temp, top_k=top_k, top_p=top_p, generators=gens))
-        step = hook.tree_step(runner)
-        for rid, par in zip(ids, parents):
-            step.attach(rid, par)
-        torch.manual_seed(1000 + seed)
-        out = v1_patched(runner, logits, md).sampled_token_ids
-        # the same randomness, drawn the same way: global generator, then request 1's generator
-        torch.manual_seed(1000 + seed)
-        T = logits.shape[0]
-        coins = torch.rand(T, dtype=torch.float64)
-        q = torch.empty(B, V).exponential_()
-        g = torch.Generator().manual_seed(7)
-        s = [0] + list(np.cumsum([n + 1 for n in sizes]))
-        coins[s[1]:s[2]].uniform_(generator=g)
-        q[1].exponential_(generator=g)
-        rep = torch.tensor([n + 1 for n in sizes])
-        x = logits.float() / torch.where(temp == 0, torch.ones_like(temp), temp).repeat_interleave(rep)[:, None]
-        x = apply_top_k_top_p(x, top_k.repeat_interleave(rep), top_p.repeat_interleave(rep))
-        par = torch.tensor(sum(parents, []), dtype=torch.int32)
-        want, _, _ = tree_verify_ref(md.draft_token_ids, par, md.cu_num_draft_tokens,
-                                     target_argmax=logits.argmax(-1), target_probs=torch.softmax(x, -1),
-                                     is_greedy=temp == 0, coins=coins, inv_exp_noise=q.reciprocal(),
-                                     width=md.max_spec_len + 1)
-        assert torch.equal(out, want), (seed, out, want)
+        assert not step._where  # consumed
 
 
 @check("v1_linear_batch_equals_pristine")
@@ -253,29 +218,36 @@ def _():
             elif "DDTREE_PATCH_CHAIN_AS_TREE" in mode:
                 assert hook_obj.engaged and hook_obj.engaged_steps == 1  # went through the kernel
             else:
-                assert not hook_obj.engaged and hook_obj.fallbacks == {"no-tree": 1}
+                assert not hook_obj.engaged and set(hook_obj.fallbacks) == {"no-tree"}
 
 
 @check("v1_unsafe_sampling_falls_back_to_pristine")
 def _():
+    from vllm.sampling_params import SamplingParams
+
     env(DDTREE_PATCH_CHAIN_AS_TREE="1")
     sizes, parents, drafts, logits = random_batch(300, chain=True)
     B = len(sizes)
     md = metadata(drafts)
-    a = FakeRunnerV1([f"r{i}" for i in range(B)], sampling(B, bad_words_token_ids={0: [[5]]}, spec_token_ids=drafts))
-    b = FakeRunnerV1([f"r{i}" for i in range(B)], sampling(B, bad_words_token_ids={0: [[5]]}, spec_token_ids=drafts))
+    ids = [f"r{i}" for i in range(B)]
+    bad = SamplingParams(temperature=0.0)
+    bad._bad_words_token_ids = [[5]]
+    a = FakeRunnerV1(ids, sampling(B, bad_words_token_ids={0: [[5]]}, spec_token_ids=drafts), {"r0": bad})
+    b = FakeRunnerV1(ids, sampling(B, bad_words_token_ids={0: [[5]]}, spec_token_ids=drafts), {"r0": bad})
     got = v1_patched(a, logits, md).sampled_token_ids
     want = v1_pristine(b, logits, md).sampled_token_ids
     assert torch.equal(got, want)
+    # request r0 alone took vLLM's chain sampler; the others went through the walk
     assert a.ddtree_hook.fallbacks == {"bad-words": 1}, a.ddtree_hook.fallbacks
-    # the other branch-dependent parameters (their chain path needs a GPU: decided, not run)
-    rs = a.rejection_sampler
-    for kw, reason in (({"no_penalties": False}, "penalties"), ({"max_num_logprobs": 0}, "logprobs"),
-                       ({"allowed_token_ids_mask": torch.zeros(B, V, dtype=torch.bool)}, "allowed-token-ids"),
-                       ({"logitsprocs": SimpleNamespace(non_argmax_invariant=[SimpleNamespace(min_toks={0: 3})])},
-                        "logits-processors")):
-        assert hook._v1_unsafe(sampling(B, **kw), rs) == reason, reason
-    assert hook._v1_unsafe(sampling(B, temperature=torch.ones(B), top_k=torch.full((B,), 5)), rs) is None
+    assert a.ddtree_hook.engaged and a.ddtree_hook.tree_requests == B - 1
+    from ddtree_patcher.runtime import parity_v1
+
+    for kw, reason in (({"presence_penalty": 0.5}, "penalties"), ({"logprobs": 1}, "logprobs"),
+                       ({"min_tokens": 3}, "min-tokens"), ({"repetition_penalty": 1.2}, "penalties")):
+        assert parity_v1.params_reason(SamplingParams(**kw)) == reason, reason
+    for kw in ({"temperature": 0.7, "top_k": 5}, {"logit_bias": {3: 2.0}}, {"min_p": 0.1},
+               {"allowed_token_ids": [1, 2]}, {"seed": 3, "temperature": 1.0}):
+        assert parity_v1.params_reason(SamplingParams(**kw)) is None, kw
 
 
 @check("v1_missing_runtime_is_a_clear_error")
@@ -303,117 +275,15 @@ def _():
         raise AssertionError("no ABI error")
 
 
-# ---- V2 (unit level: the patched V2 module, a fake runner and input batch) ---------------------------
+# ---- V2 ------------------------------------------------------------------------------------------
+# The V2 hook is tested against the release's real Sampler/RejectionSampler in
+# tests/patches/hook_parity (parity_probe.py); here only that the patched module imports.
 @check("v2_module_imports_patched")
 def _():
     import vllm.v1.worker.gpu.model_runner as v2
 
     assert "# ddtree-patch: tree-walk-hook" in Path(v2.__file__).read_text()
     assert 'bind(self, "V2", hook_abi=2)' in Path(v2.__file__).read_text()
-
-
-class _Buf:
-    def __init__(self, arr):
-        self.np = np.asarray(arr)
-        self.gpu = torch.from_numpy(self.np.copy())
-
-
-class FakeV2:
-    """What GPUModelRunner.sample (0.24-0.28 shape) and the V2 hook read."""
-
-    def __init__(self, sizes, drafts, logits, temps, prefill_len, seq_lens):
-        B = len(sizes)
-        self.model = SimpleNamespace(compute_logits=lambda h: h)
-        self.structured_outputs_worker = None
-        self.speculator = SimpleNamespace(draft_logits=None)
-        self.rejection_calls = 0
-        self.speculative_config = SimpleNamespace(num_speculative_tokens=K)
-        self.max_num_reqs = 8
-        self.device = torch.device("cpu")
-
-        def chain(logits, input_batch, draft_logits=None, *a):
-            self.rejection_calls += 1
-            return SimpleNamespace(num_sampled="chain", num_rejected="chain")
-
-        self.rejection_sampler = SimpleNamespace(__call__=chain, num_speculative_steps=K)
-        self.rejection_sampler = chain
-        chain.num_speculative_steps = K
-        states = SimpleNamespace(
-            temperature=_Buf(temps), top_k=_Buf([V] * B), top_p=_Buf([1.0] * B), min_p=_Buf([0.0] * B),
-            seeds=_Buf(np.arange(B, dtype=np.int64) + 11), max_num_logprobs=lambda idx: -1)
-        self.sampler = SimpleNamespace(sampling_states=states, needs_logits_processing=np.zeros(B, bool),
-                                       compute_nans=False)
-        self.req_states = SimpleNamespace(prefill_len=_Buf(np.asarray(prefill_len, dtype=np.int32)))
-        cu = np.concatenate([[0], np.cumsum([n + 1 for n in sizes])]).astype(np.int32)
-        T = int(cu[-1])
-        ids = torch.zeros(T, dtype=torch.int64)
-        for r, d in enumerate(drafts):
-            ids[cu[r] + 1: cu[r] + 1 + len(d)] = torch.tensor(d)
-        self.input_batch = SimpleNamespace(
-            req_ids=[f"q{i}" for i in range(B)], num_reqs=B, num_draft_tokens=sum(sizes),
-            idx_mapping=torch.arange(B, dtype=torch.int32), idx_mapping_np=np.arange(B),
-            cu_num_logits=torch.from_numpy(cu), cu_num_logits_np=cu, logits_indices=torch.arange(T),
-            input_ids=ids, positions=torch.arange(T) + 100,
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32))
-        self.hidden = logits
-
-
-def v2_sample(fake):
-    import vllm.v1.worker.gpu.model_runner as v2
-
-    return v2.GPUModelRunner.sample(fake, fake.hidden, fake.input_batch, None)
-
-
-@check("v2_tree_greedy_equals_reference_and_prefill_rule")
-def _():
-    env(DDTREE_PATCH_ENABLE="1")
-    for seed in range(4):
-        sizes, parents, drafts, logits = random_batch(500 + seed)
-        B = len(sizes)
-        # request 1 is still in chunked prefill (seq_len < prefill_len): 0 sampled, 0 rejected
-        fake = FakeV2(sizes, drafts, logits, [0.0] * B, prefill_len=[5, 50, 5][:B], seq_lens=[10, 20, 10][:B])
-        step = hook.tree_step(fake)
-        for rid, par in zip(fake.input_batch.req_ids, parents):
-            step.attach(rid, par)
-        out, num_sampled, num_rejected = v2_sample(fake)
-        md = metadata(drafts)
-        want, acc, _ = ref_greedy(parents, md, logits)
-        assert fake.rejection_calls == 0
-        n = acc + 1
-        for r in range(B):
-            assert torch.equal(out.sampled_token_ids[r, : int(n[r])].to(torch.int32), want[r, : int(n[r])])
-        exp_s = torch.where(torch.tensor([10, 20, 10][:B]) < torch.tensor([5, 50, 5][:B]), 0, n)
-        exp_r = torch.where(exp_s == 0, 0, torch.tensor(sizes) + 1 - n)
-        assert torch.equal(num_sampled.long(), exp_s.long()), (num_sampled, exp_s)
-        assert torch.equal(num_rejected.long(), exp_r.long()), (num_rejected, exp_r)
-
-
-@check("v2_linear_batch_runs_chain_sampler")
-def _():
-    env(DDTREE_PATCH_ENABLE="1")
-    sizes, parents, drafts, logits = random_batch(600, chain=True)
-    B = len(sizes)
-    fake = FakeV2(sizes, drafts, logits, [0.0] * B, prefill_len=[1] * B, seq_lens=[10] * B)
-    out = v2_sample(fake)
-    assert fake.rejection_calls == 1 and out[1] == "chain"
-    env()
-    fake = FakeV2(sizes, drafts, logits, [0.0] * B, prefill_len=[1] * B, seq_lens=[10] * B)
-    assert v2_sample(fake)[1] == "chain" and fake.__dict__["ddtree_hook"] is None
-
-
-@check("v2_chain_as_tree_sampled_runs_kernel")
-def _():
-    env(DDTREE_PATCH_CHAIN_AS_TREE="1")
-    sizes, parents, drafts, logits = random_batch(700, chain=True)
-    B = len(sizes)
-    fake = FakeV2(sizes, drafts, logits, [0.0, 0.8, 1.0][:B], prefill_len=[1] * B, seq_lens=[10] * B)
-    out, ns, nr = v2_sample(fake)
-    assert fake.rejection_calls == 0 and fake.ddtree_hook.engaged
-    assert torch.equal(ns.long() + nr.long(), torch.tensor(sizes) + 1)
-    # request 0 is greedy: exactly the argmax chain
-    md = metadata(drafts)
-    want, acc, _ = ref_greedy(parents, md, logits)
-    assert torch.equal(out.sampled_token_ids[0, : int(acc[0]) + 1].to(torch.int32), want[0, : int(acc[0]) + 1])
 
 
 print("PROBE-RESULT " + json.dumps(RESULTS), flush=True)
