@@ -47,6 +47,9 @@ from vllm.v1.spec_decode.dflash import DFlashProposer  # noqa: E402
 from ddtree_patcher.runtime import ddtree, hook  # noqa: E402
 from ddtree_patcher.kernels import build_tree_ref  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "hook_parity"))
+from nosync import no_host_sync  # noqa: E402  (raises on a host-synchronising call made by our runtime)
+
 assert Path(vllm.__file__).parent == SITE / "vllm", vllm.__file__
 assert "# ddtree-patch: ddtree-proposer" in Path(lbp.__file__).read_text()
 RESULTS: dict[str, str] = {}
@@ -222,7 +225,8 @@ def v1_checks(make_drafter, k_arg: bool, pristine_propose):
         B = len(ps)
         logits = position_logits(B, L, 1)
         st = Stubbed(drafter, FakeDFlash(logits))
-        out = call_propose(patched, drafter, B, N if k_arg else None)
+        with no_host_sync():
+            out = call_propose(patched, drafter, B, N if k_arg else None)
         assert st.depths == [L], st.depths  # the drafter ran 1 + L queries, not 1 + N
         assert out.shape == (B, N) and out.dtype == torch.int64, (out.shape, out.dtype)
         tree_tok, tree_par, chain = expected(logits, B, L, N)
@@ -469,7 +473,6 @@ def cpu_checks():
 
 
 def v2_checks(config_for, FakeDFlash):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "hook_parity"))
     import cpu_shim
 
     cpu_shim.install()
@@ -507,7 +510,8 @@ def v2_checks(config_for, FakeDFlash):
         assert tuple(spec.draft_tokens.shape) == (spec.max_num_reqs, N)
         assert spec.sample_indices.numel() == spec.max_num_reqs * L
         logits = position_logits(B, L, 7)
-        generate(DFlashSpeculator._generate_draft, spec, logits, B, L)  # patched, as in the draft graph
+        with no_host_sync():
+            generate(DFlashSpeculator._generate_draft, spec, logits, B, L)  # patched, as in the draft graph
         tree_tok, tree_par, chain = expected(logits, B, L, N)
         assert torch.equal(spec.draft_tokens[:B], tree_tok)
         assert torch.equal(dd.parents_v2[:B], tree_par) and torch.equal(dd.chain_v2[:B], chain)
@@ -516,7 +520,8 @@ def v2_checks(config_for, FakeDFlash):
         step = hook.tree_step(runner)
         assert step.kind == "V2"
         step.chain_reason = lambda rid: None if rid in ("a", "c") else "penalties"  # the hook's decision
-        out = dd.tokens_v2(runner, SimpleNamespace(req_ids=ids), spec.draft_tokens[:B])  # the runner's site
+        with no_host_sync():
+            out = dd.tokens_v2(runner, SimpleNamespace(req_ids=ids), spec.draft_tokens[:B])  # the runner's site
         ok = [True, False, True, False]
         for i in range(B):
             assert torch.equal(out[i], tree_tok[i] if ok[i] else chain[i]), i
