@@ -35,10 +35,13 @@ import triton.language as tl
 
 from .tree_reference import DraftTree, check_build_args
 
-DEFAULT_CHUNK = 8192
+DEFAULT_CHUNK = 4096  # 4 warps, 96 registers: 5 programs per SM on sm_90
+MAX_MERGE = 16384  # keys one _merge_kernel program sorts (16 warps; 128 KiB of shared memory)
 
 # NOTE: module constants must be tl.constexpr instances for the compiler.
 SENT = tl.constexpr(-9223372036854775808)  # below every key
+SENT32 = tl.constexpr(-2147483648)  # below every 32-bit key
+LOG2E = tl.constexpr(1.4426950408889634)
 ORD_NEG_INF = tl.constexpr(-2139095041)  # _ord(-inf)
 # tree-key low bits: (63 - depth) << 21 | (1023 - rank) << 11 | (2047 - parent)
 LOW_MASK = tl.constexpr(134217727)  # 2**27 - 1
@@ -86,6 +89,65 @@ def _bit(idx, w):
 
 
 @triton.jit
+def _stage_candidates(cand, li, sbase, q0, CB: tl.constexpr):
+    """Store the offsets li of candidates number q0..q0+CB-1 (counted in id order) into the
+    batch scratch; returns the number of candidates."""
+    c32 = cand.to(tl.int32)
+    pos = tl.cumsum(c32, axis=0) - 1 - q0
+    tl.store(sbase + pos, li, mask=cand & (pos >= 0) & (pos < CB))
+    return tl.sum(c32, axis=0)
+
+
+@triton.jit
+def _key32(y, li, DT16: tl.constexpr):
+    """16-bit inputs: packed (value desc, local offset asc) int32 key. y holds float32 values
+    exactly representable in DT16 (bf16/fp16 logits), li < 65536."""
+    y = tl.where(y == 0, 0.0, y)
+    h = y.to(DT16).to(tl.int16, bitcast=True).to(tl.int32)
+    o = tl.where(h >= 0, h, h ^ 0x7FFF)
+    return (o << 16) + (65535 - li)
+
+
+@triton.jit
+def _unkey32(k, DT16: tl.constexpr):
+    o = k >> 16
+    h = tl.where(o >= 0, o, o ^ 0x7FFF)
+    v = h.to(tl.int16).to(DT16, bitcast=True).to(tl.float32)
+    return v, 65535 - (k & 65535)
+
+
+@triton.jit
+def _reduce_batch(base, start, sbase, kbase, q0, cnt, KP: tl.constexpr, CAPT: tl.constexpr,
+                  KEY32: tl.constexpr):
+    """Running top-KP keys (kbase) := top-KP of (running list, staged candidates).
+
+    With 16-bit logits the selection runs on int32 keys (value, offset in the chunk): half the
+    work of int64 keys in the bitonic network; the list is stored as int64 (value, global id)."""
+    tl.debug_barrier()  # the staged offsets are visible to every lane
+    lane = tl.arange(0, CAPT)
+    bl = lane - KP
+    bm = (lane >= KP) & (bl + q0 < cnt)
+    ci = tl.load(sbase + bl, mask=bm, other=0)
+    y = tl.load(base + start + ci, mask=bm, other=float("-inf")).to(tl.float32)
+    y = tl.where(y < float("inf"), y, float("-inf"))
+    rk = tl.load(kbase + lane, mask=(lane < KP) & (q0 > 0), other=SENT)
+    if KEY32:
+        DT16: tl.constexpr = base.dtype.element_ty
+        rv, rid = _unvkey(rk)
+        rk32 = tl.where(rk > SENT, _key32(rv, rid - start, DT16), SENT32)
+        kb32 = tl.where(bm, _key32(y, ci, DT16), SENT32)
+        top32 = tl.topk(tl.where(lane < KP, rk32, kb32), KP)
+        tv, tli = _unkey32(top32, DT16)
+        top = tl.where(top32 > SENT32, _vkey(tv, start + tli), SENT)
+    else:
+        kb = tl.where(bm, _vkey(y, start + ci), SENT)
+        top = tl.topk(tl.where(lane < KP, rk, kb), KP)
+    tl.debug_barrier()  # every lane has read the running list before it is replaced
+    tl.store(kbase + tl.arange(0, KP), top)
+    tl.debug_barrier()
+
+
+@triton.jit
 def _chunk_kernel(
     logits_ptr,  # [B, L, V] bf16/fp16/fp32, stride(2) == 1
     active_ptr,  # [B] bool or None
@@ -101,7 +163,9 @@ def _chunk_kernel(
     CHUNK: tl.constexpr,
     KP: tl.constexpr,
     CAPT: tl.constexpr,
+    SUB: tl.constexpr,
     HAS_ACTIVE: tl.constexpr,
+    KEY32: tl.constexpr,
 ):
     row = tl.program_id(0)
     c = tl.program_id(1)
@@ -120,34 +184,28 @@ def _chunk_kernel(
         x = tl.load(base + start + li, mask=valid, other=float("-inf")).to(tl.float32)
         x = tl.where(x < float("inf"), x, float("-inf"))  # NaN and +inf -> -inf
         m = tl.max(x, axis=0)
-        s = tl.sum(tl.where(x > float("-inf"), tl.exp(x - m), 0.0), axis=0)
+        # exp(x - m) as one FMA + ex2: 2**(x*log2(e) - m*log2(e))
+        s = tl.sum(tl.where(x > float("-inf"), tl.exp2(x * LOG2E - m * LOG2E), 0.0), axis=0)
         # KP column maxima each hold a distinct value >= t: the chunk's top-KP are all >= t.
         t = tl.min(tl.max(tl.reshape(x, [CHUNK // KP, KP]), axis=0), axis=0)
-        cand = valid & (x >= t)
-        c32 = cand.to(tl.int32)
-        pos = tl.cumsum(c32, axis=0) - 1
-        cnt = tl.sum(c32, axis=0)
         pid = row.to(tl.int64) * NCH + c
         kbase = part_key_ptr + pid * KP
         sbase = idx_scr_ptr + pid * CB
-        lane = tl.arange(0, CAPT)
-        kl = tl.arange(0, KP)
-        q0 = cnt * 0
+        # first batch: candidates 0..CB-1 (nothing but scalars stays live past it)
+        cnt = _stage_candidates(valid & (x >= t), li, sbase, c * 0, CB)
+        _reduce_batch(base, start, sbase, kbase, cnt * 0, cnt, KP, CAPT, KEY32)
+        # more candidates than one batch (many exact ties): re-read the chunk per batch, in
+        # small tiles so that this rare path keeps the register footprint of the common one
+        q0 = cnt * 0 + CB
         while q0 < cnt:
-            inb = cand & (pos >= q0) & (pos < q0 + CB)
-            tl.store(sbase + (pos - q0), li, mask=inb)
-            tl.debug_barrier()
-            bl = lane - KP
-            bm = (lane >= KP) & (bl + q0 < cnt)
-            ci = tl.load(sbase + bl, mask=bm, other=0)
-            y = tl.load(base + start + ci, mask=bm, other=float("-inf")).to(tl.float32)
-            y = tl.where(y < float("inf"), y, float("-inf"))
-            kb = tl.where(bm, _vkey(y, start + ci), SENT)
-            rk = tl.load(kbase + lane, mask=(lane < KP) & (q0 > 0), other=SENT)
-            top = tl.topk(tl.where(lane < KP, rk, kb), KP)
-            tl.debug_barrier()  # every lane has read the running list before it is replaced
-            tl.store(kbase + kl, top)
-            tl.debug_barrier()
+            seen = cnt * 0
+            for s0 in range(0, CHUNK, SUB):
+                lj = s0 + tl.arange(0, SUB)
+                vj = start + lj < V
+                y = tl.load(base + start + lj, mask=vj, other=float("-inf")).to(tl.float32)
+                cj = vj & (y < float("inf")) & (y >= t)
+                seen += _stage_candidates(cj, lj, sbase, q0 - seen, CB)
+            _reduce_batch(base, start, sbase, kbase, q0, cnt, KP, CAPT, KEY32)
             q0 += CB
         tl.store(part_m_ptr + pid, m)
         tl.store(part_s_ptr + pid, s)
@@ -308,6 +366,61 @@ def _next_pow2(x: int) -> int:
     return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
 
 
+def draft_topk(
+    draft_logits: torch.Tensor,
+    topk: int,
+    *,
+    active: Optional[torch.Tensor] = None,
+    chunk: Optional[int] = None,
+    chunk_warps: Optional[int] = None,
+):
+    """Stage 1 of ``build_tree`` alone: per-row logsumexp and top-(K+1), one read of the logits.
+
+    Returns ``(lse [B, L] float32, logprobs [B, L, KP] float32, ids [B, L, KP] int32)`` with
+    KP = next_pow2(K + 1) >= K + 1 sorted columns (logprob descending, ties to the lower id;
+    -inf / -1 past V; -inf / -1 / lse -inf for inactive requests).
+    """
+    B, L, V, _, K = check_build_args(draft_logits, 1, topk, active)
+    dev = draft_logits.device
+    KP = _next_pow2(K + 1)  # one more rank than K, for the `exact` certificate
+    if chunk:
+        CH = int(chunk)
+    else:  # the merge sorts next_pow2(#chunks) * KP keys in one program: keep that <= MAX_MERGE
+        CH = min(DEFAULT_CHUNK, max(_next_pow2(V), 2 * KP))
+        while _next_pow2(triton.cdiv(V, CH)) * KP > MAX_MERGE:
+            CH *= 2
+    if CH & (CH - 1) or CH < 2 * KP or _next_pow2(triton.cdiv(V, CH)) * KP > MAX_MERGE:
+        raise ValueError(f"build_tree: argument `chunk` must be a power of two >= {2 * KP} with "
+                         f"next_pow2(ceil(V / chunk)) * {KP} <= {MAX_MERGE}, got {chunk!r}")
+    NCH = triton.cdiv(V, CH)
+    CAPT = max(128, min(8 * KP, 4096))  # candidates per batch: CAPT - KP (about KP*ln(KP) expected)
+    f32 = torch.float32
+    lse = torch.empty((B, L), dtype=f32, device=dev)
+    top_lp = torch.empty((B, L, KP), dtype=f32, device=dev)
+    top_id = torch.empty((B, L, KP), dtype=torch.int32, device=dev)
+    rows = B * L
+    if rows == 0:
+        return lse, top_lp, top_id
+    part_key = torch.empty((rows * NCH * KP,), dtype=torch.int64, device=dev)
+    part_m = torch.empty((rows * NCH,), dtype=f32, device=dev)
+    part_s = torch.empty((rows * NCH,), dtype=f32, device=dev)
+    idx_scr = torch.empty((rows * NCH * (CAPT - KP),), dtype=torch.int32, device=dev)
+    has_active = active is not None
+    _chunk_kernel[(rows, NCH)](
+        draft_logits, active, part_key, part_m, part_s, idx_scr,
+        L, V, draft_logits.stride(0), draft_logits.stride(1), NCH,
+        CHUNK=CH, KP=KP, CAPT=CAPT, SUB=min(CH, 1024), HAS_ACTIVE=has_active,
+        KEY32=draft_logits.element_size() == 2 and CH <= 65536,
+        num_warps=chunk_warps or max(4, min(16, CH // 1024)),
+    )
+    _merge_kernel[(rows,)](
+        part_key, part_m, part_s, active, top_lp, top_id, lse, L, V, NCH,
+        NCHP=_next_pow2(NCH), KP=KP, HAS_ACTIVE=has_active,
+        num_warps=max(4, min(16, _next_pow2(NCH) * KP // 512)),
+    )
+    return lse, top_lp, top_id
+
+
 def build_tree(
     draft_logits: torch.Tensor,
     budget: int,
@@ -318,6 +431,7 @@ def build_tree(
     chunk: Optional[int] = None,
     chunk_warps: Optional[int] = None,
     tree_warps: Optional[int] = None,
+    mask_block: Optional[int] = None,
 ) -> DraftTree:
     """Build one DDTree draft tree per request from the drafter's logits; see ``docs/tree-builder.md``.
 
@@ -325,58 +439,35 @@ def build_tree(
     ``budget`` n nodes per request, ``topk`` K per depth (default ``min(budget, 8)``),
     ``active`` bool [B] (False: the request gets an all-padding tree, e.g. in prefill; pass the
     static max_num_reqs batch with the unused rows False), ``ancestor_mask`` (compute the bit
-    rows). Returns a :class:`DraftTree`; no host synchronisation, static shapes.
-    Tuning: ``chunk`` (vocab entries per program, a power of two >= 2*(K+1)),
-    ``chunk_warps``, ``tree_warps``.
+    rows). Returns a :class:`DraftTree`; three launches, no host synchronisation, static shapes.
+    Tuning (results do not depend on them): ``chunk`` (vocab entries per stage-1 program, a
+    power of two >= 2*next_pow2(K+1)), ``chunk_warps``, ``tree_warps``, ``mask_block`` (ancestor
+    rows per step, a power of two).
     """
     B, L, V, n, K = check_build_args(draft_logits, budget, topk, active)
+    lse, top_lp, top_id = draft_topk(draft_logits, K, active=active, chunk=chunk,
+                                     chunk_warps=chunk_warps)
+    KP = top_lp.shape[-1]
     dev = draft_logits.device
-    KP = _next_pow2(K + 1)  # one more rank than K, for the `exact` certificate
-    CH = int(chunk) if chunk else min(DEFAULT_CHUNK, max(_next_pow2(V), 2 * KP))
-    if CH & (CH - 1) or CH < 2 * KP:
-        raise ValueError(f"build_tree: argument `chunk` must be a power of two >= {2 * KP}, got {chunk!r}")
-    NCH = triton.cdiv(V, CH)
-    CAPT = max(128, min(8 * KP, 4096))  # candidates per batch: CAPT - KP (about KP*ln(KP) expected)
     NW = (n + 1 + 31) // 32
-    i32, f32 = torch.int32, torch.float32
+    i32 = torch.int32
     tokens = torch.empty((B, n), dtype=i32, device=dev)
     parents = torch.empty((B, n), dtype=i32, device=dev)
     depths = torch.empty((B, n), dtype=i32, device=dev)
-    scores = torch.empty((B, n), dtype=f32, device=dev)
+    scores = torch.empty((B, n), dtype=torch.float32, device=dev)
     exact = torch.empty((B,), dtype=torch.bool, device=dev)
     mask = torch.empty((B, n + 1, NW), dtype=i32, device=dev) if ancestor_mask else None
-    lse = torch.empty((B, L), dtype=f32, device=dev)
-    top_lp = torch.empty((B, L, KP), dtype=f32, device=dev)
-    top_id = torch.empty((B, L, KP), dtype=i32, device=dev)
-    if B == 0:
-        return DraftTree(tokens, parents, depths, scores, mask, exact, lse, top_lp[..., :K],
-                         top_id[..., :K])
-    rows = B * L
-    part_key = torch.empty((rows * NCH * KP,), dtype=torch.int64, device=dev)
-    part_m = torch.empty((rows * NCH,), dtype=f32, device=dev)
-    part_s = torch.empty((rows * NCH,), dtype=f32, device=dev)
-    idx_scr = torch.empty((rows * NCH * (CAPT - KP),), dtype=i32, device=dev)
-    has_active = active is not None
-
-    _chunk_kernel[(rows, NCH)](
-        draft_logits, active, part_key, part_m, part_s, idx_scr,
-        L, V, draft_logits.stride(0), draft_logits.stride(1), NCH,
-        CHUNK=CH, KP=KP, CAPT=CAPT, HAS_ACTIVE=has_active,
-        num_warps=chunk_warps or (8 if CH >= 8192 else 4),
-    )
-    _merge_kernel[(rows,)](
-        part_key, part_m, part_s, active, top_lp, top_id, lse, L, V, NCH,
-        NCHP=_next_pow2(NCH), KP=KP, HAS_ACTIVE=has_active,
-        num_warps=4,
-    )
-    NP = max(16, _next_pow2(n + 1))
-    NWP = max(1, _next_pow2(NW))
-    RB = max(1, min(NP, 4096 // NWP))
-    _tree_kernel[(B,)](
-        top_lp, top_id, active, tokens, parents, depths, scores, mask, exact,
-        L, K, n, NW,
-        KP=KP, NP=NP, NWP=NWP, RB=RB, HAS_ACTIVE=has_active, WRITE_MASK=ancestor_mask,
-        num_warps=tree_warps or (1 if NP <= 128 else 4),
-    )
+    if B:
+        NP = max(16, _next_pow2(n + 1))
+        NWP = max(1, _next_pow2(NW))
+        RB = int(mask_block) if mask_block else max(1, min(NP, 4096 // NWP))
+        if RB & (RB - 1):
+            raise ValueError(f"build_tree: argument `mask_block` must be a power of two, got {mask_block!r}")
+        _tree_kernel[(B,)](
+            top_lp, top_id, active, tokens, parents, depths, scores, mask, exact,
+            L, K, n, NW,
+            KP=KP, NP=NP, NWP=NWP, RB=RB, HAS_ACTIVE=active is not None, WRITE_MASK=ancestor_mask,
+            num_warps=tree_warps or (1 if NP <= 128 else 4),
+        )
     return DraftTree(tokens, parents, depths, scores, mask, exact, lse, top_lp[..., :K],
                      top_id[..., :K])

@@ -343,7 +343,9 @@ class TreeStep:
                         f"ddtree-patch: request {rid!r} has {n} draft tokens but its attached tree "
                         f"has {width} nodes")
             if n == 0 and reason == "no-tree":
-                reason = None  # nothing to verify: a tree-ok request may take either path
+                # nothing to verify: a tree-ok request may take either path, any other request
+                # only vLLM's (its sampling parameters may read the history, seeds must match)
+                reason = self.chain_reason(rid)
             if reason is None:
                 tree[r] = True
                 if where is None:

@@ -73,11 +73,13 @@ def params_reason(sp) -> str | None:
     return None
 
 
-def _bonus_metadata(sm):
+def _bonus_metadata(sm, generators):
     """The batch's SamplingMetadata for the final-token Sampler call: no logprobs, no thinking
-    budget state updates (tree requests have none; chain requests' rows are discarded)."""
+    budget state updates (tree requests have none; chain requests' rows are discarded), only
+    the tree requests' generators (a chain request's seeded generator advances exactly as
+    upstream's: by vLLM's rejection sampler alone)."""
     names = {f.name for f in fields(sm)}
-    kw = {"max_num_logprobs": None}
+    kw = {"max_num_logprobs": None, "generators": generators}
     if "logprob_token_ids" in names:
         kw["logprob_token_ids"] = None
     if "thinking_budget_state_holder" in names:
@@ -85,18 +87,18 @@ def _bonus_metadata(sm):
     return replace(sm, **kw)
 
 
-def randomness(sm, counts: np.ndarray, vocab: int, dev):
+def randomness(generators, counts: np.ndarray, vocab: int, dev):
     """Coins (one per row, fp64) and 1/Exp(1) noise (one row per request) drawn like vLLM's
-    rejection sampler: the global generator, then each seeded request's own generator."""
+    rejection sampler: the global generator, then each seeded tree request's own generator."""
     import torch
 
     B = len(counts)
     T = int(counts.sum())
     coins = torch.rand(T, dtype=torch.float64, device=dev)
     q = torch.empty((B, vocab), dtype=torch.float32, device=dev).exponential_()
-    if sm.generators:
+    if generators:
         starts = np.concatenate([[0], np.cumsum(counts)])
-        for i, gen in sm.generators.items():
+        for i, gen in generators.items():
             if i < B:
                 coins[int(starts[i]):int(starts[i + 1])].uniform_(generator=gen)
                 q[i].exponential_(generator=gen)
@@ -135,6 +137,7 @@ def sample(step, metadata, draft_probs, logits, sm):
     dev = logits.device
     W = int(metadata.max_spec_len) + 1
     counts = ro.num_draft + 1
+    tree_gens = {i: g for i, g in sm.generators.items() if i < B and ro.tree[i]}
     row_req = step.upload(np.repeat(np.arange(B, dtype=np.int64), counts))
     # Target rows as vLLM processes them: allowed-ids mask, temperature (0 -> 1), top-k/top-p.
     x = logits.to(torch.float32, copy=True)
@@ -156,7 +159,7 @@ def sample(step, metadata, draft_probs, logits, sm):
         out, num_acc, rows = step.verify(draft, parents, cu, W, ro.maxn, target_argmax=argmax)
     else:
         probs = x.softmax(dim=-1, dtype=torch.float32)
-        coins, inv_noise = randomness(sm, counts, probs.shape[1], dev)
+        coins, inv_noise = randomness(tree_gens, counts, probs.shape[1], dev)
         out, num_acc, rows = step.verify(draft, parents, cu, W, ro.maxn, target_argmax=argmax,
                                          target_probs=probs, is_greedy=sm.temperature == 0,
                                          coins=coins, inv_exp_noise=inv_noise)
@@ -165,7 +168,7 @@ def sample(step, metadata, draft_probs, logits, sm):
     col = num_acc.to(torch.int64).unsqueeze(1)
     final_rows = rows.to(torch.int64).gather(1, col).squeeze(1)
     is_leaf = ~has_child[final_rows]
-    bonus = rejection_sampler.sampler(logits=logits[final_rows], sampling_metadata=_bonus_metadata(sm),
+    bonus = rejection_sampler.sampler(logits=logits[final_rows], sampling_metadata=_bonus_metadata(sm, tree_gens),
                                       predict_bonus_token=True).sampled_token_ids.view(-1)
     out.scatter_(1, col, torch.where(is_leaf, bonus.to(out.dtype), out.gather(1, col).squeeze(1)).unsqueeze(1))
 

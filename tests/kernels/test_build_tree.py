@@ -215,7 +215,7 @@ def test_inactive_requests_get_padding_and_strided_input():
     big = torch.randn(4, 7, 90, generator=g).to(torch.bfloat16)
     x = big[:, 1:5]  # [4, 4, 90], strided over B
     active = torch.tensor([True, False, True, False])
-    t = _both(x, 12, 3, active=active, chunk=64)
+    t = _both(x, 12, 3, active=active, chunk=64, mask_block=4)  # 4 blocks of ancestor rows
     assert t.tokens[1].tolist() == [P] * 12 and t.parents[1].tolist() == [0] * 12
     assert t.depths[3].tolist() == [1] * 12 and bool(torch.isinf(t.scores[3]).all())
     assert t.exact[1] and bool((t.topk_ids[1] == -1).all())
@@ -302,3 +302,22 @@ def test_tree_feeds_tree_verify():
 def test_named_errors(call, match):
     with pytest.raises(ValueError, match=f"`{match}`"):
         call()
+
+
+def test_benchmark_script_smoke(tmp_path):
+    """benchmarks/bench_build_tree.py --smoke: the GPU script's code paths, tiny, on the CPU."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    repo = pathlib.Path(__file__).resolve().parents[2]
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    r = subprocess.run([sys.executable, str(repo / "benchmarks" / "bench_build_tree.py"), "--smoke",
+                        "--out", str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "CHECKS PASSED" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    import json
+
+    res = json.loads(out.read_text())
+    assert res["rows"] and res["sweep"] and all("error" not in row for row in res["rows"] + res["sweep"])
