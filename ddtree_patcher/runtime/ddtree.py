@@ -209,11 +209,6 @@ def _record(spec_config, where: str) -> dict:
     return record
 
 
-def wanted(spec_config) -> bool:
-    """Whether a drafter being built must bind (the call sites' gate, also for tests)."""
-    return enabled() or CONFIG_ATTR in vars(spec_config)
-
-
 # ---- the drafters ----------------------------------------------------------------------------
 def bind_v1(drafter: Any, runner: Any, *, ddtree_abi: int) -> "DDTreeDrafter":
     """``DFlashProposer.__init__`` (V1), right after ``super().__init__``: pin the drafter's
