@@ -132,7 +132,7 @@ def measure_bw(dev):
     del y
     xb = x.view(torch.bfloat16).normal_()
     out = torch.empty((), dtype=torch.float32, device=dev)
-    t = graph_time([lambda: torch.sum(xb, dtype=torch.float32, out=out)], 20)
+    t = graph_time([lambda: torch.sum(xb, dim=0, dtype=torch.float32, out=out)], 20)  # (out= needs dim=)
     read_bw = xb.numel() * 2 / (t * 1e-6)
     del x, xb
     torch.cuda.empty_cache()

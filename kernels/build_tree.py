@@ -13,8 +13,9 @@ Kernels:
   are found without sorting the chunk: t = the smallest of KP column maxima is a lower bound of
   the chunk's KP-th largest value (KP distinct columns each hold a value >= t), so only entries
   >= t are candidates (about KP*ln(KP) of them for noise-like logits). They are compacted with a
-  prefix sum into a small per-program scratch and reduced with ``tl.topk`` on packed int64 keys
-  (value, then lower id), in batches of CAPT - KP candidates (one batch unless many ties).
+  prefix sum into a small per-program scratch and reduced with ``tl.topk`` on packed keys (value,
+  then lower id: int32 for bf16/fp16 logits, int64 for fp32), in batches of CAPT - KP candidates
+  (one batch unless many exact ties).
 * ``_merge_kernel`` -- grid (B*L,). Merges the chunks' (max, sum) into the row's logsumexp and
   their top-KP lists into the row's sorted top-KP (token ids and logprobs = logit - lse).
 * ``_tree_kernel`` -- grid (B,). Best-first expansion in registers: the frontier holds at most
