@@ -2,8 +2,8 @@
 (quilt's ``series`` written as a tuple): a later patch sees the earlier ones' output."""
 
 from ddtree_patcher.patches import (
-    dflash_layer_offset, dflash_prefix_cache_drop, dflash_sliding_window, tree_walk_hook,
+    ddtree_proposer, dflash_layer_offset, dflash_prefix_cache_drop, dflash_sliding_window, tree_walk_hook,
 )
 
 SERIES = (dflash_layer_offset.PATCH, dflash_prefix_cache_drop.PATCH, dflash_sliding_window.PATCH,
-          tree_walk_hook.PATCH)
+          tree_walk_hook.PATCH, ddtree_proposer.PATCH)

@@ -6,9 +6,14 @@ tree-walk-hook rewrote are exactly what ``ddtree-patch apply`` recorded in
 ``<site>/.ddtree-patch/state.json`` and that their call sites speak this runtime's hook ABI,
 then logs one line:
 
-* ``ddtree-patch: hook active, runner=V2, vLLM 0.26.0`` (DDTree requested, hook intact);
+* ``ddtree-patch: hook active, runner=V2, vLLM 0.26.0, mode=ddtree budget=64`` (DDTree requested,
+  hook intact; the mode is ``ddtree budget=N`` or ``chain-as-tree``);
 * ``ddtree-patch: hook installed, inactive (DDTree not requested ...), runner=..., vLLM ...``;
 * ``ddtree-patch: hook NOT active: <why>, runner=..., vLLM ...``.
+
+With ``DDTREE_PATCH_ENABLE=1`` it also checks the ddtree-proposer patch (the DFlash drafter's
+tree call sites) the same way and validates ``DDTREE_PATCH_BUDGET`` (a bad value, or both
+switches at once, raises ``DDTreeConfigError`` whatever ``DDTREE_PATCH_ON_DRIFT`` says).
 
 When DDTree is requested (``DDTREE_PATCH_ENABLE`` / ``DDTREE_PATCH_CHAIN_AS_TREE``) and the hook
 is not intact it raises (vLLM's loader swallows exceptions raised while *importing* a plugin,
@@ -29,8 +34,10 @@ import sys
 from pathlib import Path
 
 PATCH_ID = "tree-walk-hook"
+PROPOSER_ID = "ddtree-proposer"
 ENV_ON_DRIFT = "DDTREE_PATCH_ON_DRIFT"
 _ABI_RE = re.compile(rb'bind\(self, "V[12]", hook_abi=(\d+)\)')
+_DDTREE_ABI_RE = re.compile(rb'ddtree_abi=(\d+)\)')
 
 logger = logging.getLogger("vllm.ddtree_patch")  # under vLLM's own handler
 
@@ -80,10 +87,19 @@ def _runner() -> str:
     return "auto"
 
 
-def check(site: Path | None = None) -> tuple[bool, str]:
-    """(intact, reason): the hook's files are as recorded and speak this runtime's ABI."""
+def _runtime_abi(patch_id: str) -> tuple[int, "re.Pattern[bytes]"]:
+    if patch_id == PROPOSER_ID:
+        from ddtree_patcher.runtime.ddtree import DDTREE_ABI
+
+        return DDTREE_ABI, _DDTREE_ABI_RE
     from ddtree_patcher.runtime.hook import HOOK_ABI
 
+    return HOOK_ABI, _ABI_RE
+
+
+def check(site: Path | None = None, patch_id: str = PATCH_ID) -> tuple[bool, str]:
+    """(intact, reason): the patch's files are as recorded and speak this runtime's ABI."""
+    abi, abi_re = _runtime_abi(patch_id)
     site = site or _site()
     if site is None:
         return False, "vllm is not importable"
@@ -94,11 +110,11 @@ def check(site: Path | None = None) -> tuple[bool, str]:
         state = load_state(site, {p.id for p in SERIES})
     except Exception as exc:  # Refused / EnvironmentProblem: unreadable or tampered state
         return False, f"state unreadable ({exc})"
-    if PATCH_ID not in state.patches:
-        return False, f"{PATCH_ID} is not applied to {site / 'vllm'} (run `ddtree-patch apply`)"
-    files = {rel: rec for rel, rec in state.files.items() if PATCH_ID in rec.patches}
+    if patch_id not in state.patches:
+        return False, f"{patch_id} is not applied to {site / 'vllm'} (run `ddtree-patch apply`)"
+    files = {rel: rec for rel, rec in state.files.items() if patch_id in rec.patches}
     if not files:
-        return False, f"{PATCH_ID} is recorded but no file carries it"
+        return False, f"{patch_id} is recorded but no file carries it"
     for rel, rec in sorted(files.items()):
         try:
             data = (site / rel).read_bytes()
@@ -109,15 +125,17 @@ def check(site: Path | None = None) -> tuple[bool, str]:
             what = "back to the pristine bytes (vLLM reinstalled?)" if digest == rec.pristine else \
                 "changed since apply"
             return False, f"{rel} is {what}: run `ddtree-patch verify`, then `ddtree-patch apply`"
-        abis = {int(a) for a in _ABI_RE.findall(data)}
-        if abis != {HOOK_ABI}:
-            return False, (f"{rel}: call site hook ABI {sorted(abis)} != runtime ABI {HOOK_ABI}: "
+        abis = {int(a) for a in abi_re.findall(data)}
+        if (abis or patch_id == PATCH_ID) and abis != {abi}:  # every hook file carries its ABI
+            return False, (f"{rel}: call site {'hook' if patch_id == PATCH_ID else patch_id} ABI "
+                           f"{sorted(abis)} != runtime ABI {abi}: "
                            "`ddtree-patch revert && ddtree-patch apply` with the installed tool")
     return True, "intact"
 
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point."""
+    from ddtree_patcher.runtime import ddtree
     from ddtree_patcher.runtime.hook import requested
 
     site = _site()
@@ -125,8 +143,13 @@ def register() -> None:
     ver = _version(site) if site else "?"
     runner = _runner()
     want = requested()
+    try:
+        mode = ddtree.mode_line()
+    except ddtree.DDTreeConfigError as exc:
+        logger.error("ddtree-patch: DDTree NOT active: %s, runner=%s, vLLM %s", exc, runner, ver)
+        raise
     if intact and want:
-        line = f"ddtree-patch: hook active, runner={runner}, vLLM {ver}"
+        line = f"ddtree-patch: hook active, runner={runner}, vLLM {ver}, {mode}"
     elif intact:
         line = (f"ddtree-patch: hook installed, inactive (DDTree not requested: set DDTREE_PATCH_ENABLE=1), "
                 f"runner={runner}, vLLM {ver}")
@@ -139,3 +162,12 @@ def register() -> None:
         logger.error(line)
         raise HookNotIntact(line + f" (DDTree is requested; set {ENV_ON_DRIFT}=warn to continue without it)")
     logger.info(line)
+    if ddtree.enabled():  # DDTree trees need the drafter's call sites too
+        ok, why = check(site, PROPOSER_ID)
+        if not ok:
+            line = f"ddtree-patch: DDTree drafting NOT active: {why}, runner={runner}, vLLM {ver}"
+            if os.environ.get(ENV_ON_DRIFT, "").strip().lower() == "warn":
+                logger.warning("%s (%s=warn: continuing; DFlash drafts chains)", line, ENV_ON_DRIFT)
+                return
+            logger.error(line)
+            raise HookNotIntact(line + f" (DDTree is requested; set {ENV_ON_DRIFT}=warn to continue without it)")

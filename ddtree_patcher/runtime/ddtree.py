@@ -1,0 +1,383 @@
+"""DDTree drafting on top of DFlash: the runtime the ddtree-proposer call sites call
+(``patches/ddtree_proposer.py``; ``docs/patches/ddtree-proposer.md``).
+
+Importing this module imports neither torch nor vLLM (the boot guard reads ``DDTREE_ABI`` and
+parses the budget); the device work imports torch lazily.
+
+**The switch.** ``DDTREE_PATCH_ENABLE=1`` (plus ``DDTREE_PATCH_BUDGET=N``, default
+:data:`DEFAULT_BUDGET`) with a DFlash drafter configured as usual: its ``num_speculative_tokens``
+is L, the drafter depth. No vLLM config key is added. Where the ``SpeculativeConfig`` is built
+(the front end: ``LLM(...)``, ``vllm serve``), :func:`configure` validates the switch, records
+``{"budget": N, "depth": L}`` on the config object (attribute :data:`CONFIG_ATTR`, pickled to the
+engine core and the workers with it) and sets ``num_speculative_tokens = N``: the scheduler
+(draft slots, lookahead, async placeholders), the runner (``1 + N`` verify rows, draft buffers,
+CUDA-graph query length) and the KV slots are sized for N verify nodes per request. Every process
+that builds a drafter (:func:`bind_v1`, :func:`bind_v2`) checks that its own environment agrees
+with that record; a mismatch is a named error.
+
+**The drafter** drafts ``L_eff = min(L, N)`` positions (a tree of N nodes is at most N deep): the
+drafter's own depth attribute (V1 ``num_speculative_tokens``, V2 ``num_speculative_steps``) is
+pinned to ``L_eff`` when it is built (and, on 0.24+ V1, again after ``propose`` stores the
+runner's per-call K), so DFlash runs ``1 + L_eff`` queries per request and produces
+``[B * L_eff, V]`` position logits. Where DFlash turns them into a chain (an argmax per
+position), :meth:`DDTreeDrafter.tree_tokens` builds the DDTree tree instead
+(``ddtree_patcher.kernels.build_tree``, budget N) and hands vLLM ``[B, N]`` node tokens in node
+order (parents before children), and the parents ``[B, N]`` to the runner's ``TreeStep``
+(``hook.tree_step(runner).attach``: device tensors, no copy).
+
+**Per request**: a request the tree walk can verify (``TreeStep.tree_ok``) gets its tree; any
+other request gets a chain (node j's parent is j - 1) made of DFlash's own per-position argmax
+for nodes 1..L_eff and the filler token :data:`FILLER_TOKEN` for nodes L_eff+1..N, and is not
+attached (vLLM's chain sampler verifies it). Padding nodes of a tree (fewer than N nodes of
+nonzero draft probability) carry token -1 in the builder's output; they are handed to vLLM as
+:data:`FILLER_TOKEN` (an input id must be a valid token). Both are lossless: a verifier accepts a
+draft token only when it is the token the target itself samples at that node's parent (tree walk
+or chain rejection rule), so what a filler node "proposes" can only change how many tokens are
+accepted, never which tokens are emitted.
+
+All of it runs on the device with static shapes: no ``.item()``, ``.tolist()``, ``.cpu()``,
+``nonzero`` or boolean indexing; the only host work is on host-known data (request ids, the
+per-request tree-ok flags, uploaded with a non-blocking copy).
+
+**Until the tree-shaped target step exists (issue 13)** :func:`configure` ends with
+:func:`refuse_without_tree_target_step`: DDTree mode refuses to start (a chain-shaped target pass
+would verify trees with causal attention over node order and linear positions).
+``DDTREE_PATCH_CHAIN_AS_TREE=1`` (the tree-walk-hook diagnostic) does not involve this module.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from typing import Any
+
+DDTREE_ABI = 1  # the call-site <-> runtime contract; bump on any incompatible change
+ENV_ENABLE = "DDTREE_PATCH_ENABLE"
+ENV_BUDGET = "DDTREE_PATCH_BUDGET"
+ENV_CHAIN = "DDTREE_PATCH_CHAIN_AS_TREE"
+# Provisional: the H200 builder measurements (issue 12, piece 3) are not in yet. The paper's
+# speedup peaks at budgets 256-512 on H100-class GPUs with Qwen3-8B, but every verify node costs
+# target compute (N + 1 query rows per request) and KV slots, and the builder's cost grows with N;
+# 64 keeps a batch of 8 at 520 verify rows and is 4x a b16 DFlash chain's 16.
+DEFAULT_BUDGET = 64
+MAX_BUDGET = 2047  # == ddtree_patcher.kernels.tree_reference.MAX_BUDGET (the builder's limit)
+FILLER_TOKEN = 0  # chain nodes past the drafter's depth, and tree padding nodes
+CONFIG_ATTR = "ddtree_patch"  # the record configure() leaves on the SpeculativeConfig object
+
+logger = logging.getLogger("vllm.ddtree_patch")
+
+
+class DDTreeConfigError(ValueError):
+    """DDTree cannot run with this configuration (bad budget, a conflicting vLLM option, or
+    processes that disagree about the switch)."""
+
+
+class DDTreeNotReady(RuntimeError):
+    """DDTree mode is refused until the tree-shaped target step exists (issue 13)."""
+
+
+class DDTreeABIError(RuntimeError):
+    pass
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "0") not in ("", "0")
+
+
+def enabled() -> bool:
+    """DDTree drafting requested in this process (``DDTREE_PATCH_ENABLE``)."""
+    return _flag(ENV_ENABLE)
+
+
+def budget_from_env() -> int:
+    """``DDTREE_PATCH_BUDGET`` as an int in [1, MAX_BUDGET] (default DEFAULT_BUDGET)."""
+    raw = os.environ.get(ENV_BUDGET)
+    if raw is None or not raw.strip():
+        return DEFAULT_BUDGET
+    try:
+        value = int(raw.strip(), 10)
+    except ValueError:
+        value = None
+    if value is None or not 1 <= value <= MAX_BUDGET:
+        raise DDTreeConfigError(
+            f"ddtree-patch: {ENV_BUDGET}={raw!r} is not a node budget: expected an integer in "
+            f"[1, {MAX_BUDGET}] (verify nodes per request; default {DEFAULT_BUDGET})")
+    return value
+
+
+def check_abi(ddtree_abi: int) -> None:
+    if ddtree_abi != DDTREE_ABI:
+        raise DDTreeABIError(
+            f"ddtree-patch: this vLLM's ddtree-proposer call sites speak ABI {ddtree_abi}, the "
+            f"installed ddtree_patcher speaks ABI {DDTREE_ABI}: re-apply with the installed tool "
+            "(`ddtree-patch revert && ddtree-patch apply`, then restart vLLM)")
+
+
+def mode_line() -> str:
+    """The mode and budget, for the boot guard's line (raises DDTreeConfigError on a bad budget)."""
+    if _flag(ENV_ENABLE) and _flag(ENV_CHAIN):
+        raise DDTreeConfigError(f"ddtree-patch: {ENV_ENABLE}=1 and {ENV_CHAIN}=1 exclude each other "
+                                "(DDTree trees, or the chain-as-tree diagnostic)")
+    if _flag(ENV_ENABLE):
+        return f"mode=ddtree budget={budget_from_env()}"
+    if _flag(ENV_CHAIN):
+        return "mode=chain-as-tree"
+    return "mode=off"
+
+
+# ---- start-up: the SpeculativeConfig ---------------------------------------------------------
+def _conflicts(spec) -> list[str]:
+    """vLLM options DDTree cannot run with (named reasons; empty: none)."""
+    out = []
+    if getattr(spec, "num_speculative_tokens_per_batch_size", None):
+        out.append("dynamic speculative decoding (num_speculative_tokens_per_batch_size): the number "
+                   "of draft tokens per request must be the node budget in every step")
+    if getattr(spec, "draft_sample_method", "greedy") == "probabilistic":
+        out.append("draft_sample_method='probabilistic': a tree is built from the drafter's logits, "
+                   "not from sampled drafts (and the chain fallback's draft probabilities would cover "
+                   "L positions, not the N verified nodes)")
+    if getattr(spec, "use_local_argmax_reduction", False):
+        out.append("use_local_argmax_reduction: the drafter never materialises the logits a tree is "
+                   "built from")
+    if getattr(spec, "use_heterogeneous_vocab", False):
+        out.append("use_heterogeneous_vocab: tree tokens would need the draft->target vocabulary map")
+    return out
+
+
+def configure(spec, *, ddtree_abi: int) -> None:
+    """Called from ``SpeculativeConfig._verify_args`` for a DFlash drafter when DDTree is
+    requested: validate, record ``{budget, depth}``, size vLLM for N verify nodes."""
+    check_abi(ddtree_abi)
+    mode_line()  # exclusive switches, budget syntax
+    budget = budget_from_env()
+    record = vars(spec).get(CONFIG_ATTR)
+    if record is not None:  # configured already (the same object validated twice)
+        if record["budget"] != budget or spec.num_speculative_tokens != budget:
+            raise DDTreeConfigError(f"ddtree-patch: the speculative config was set up for budget "
+                                    f"{record['budget']}, this process asks for {budget}")
+        return
+    bad = _conflicts(spec)
+    if bad:
+        raise DDTreeConfigError("ddtree-patch: DDTree (DDTREE_PATCH_ENABLE=1) cannot run with " + "; ".join(bad))
+    depth = int(spec.num_speculative_tokens)
+    vars(spec)[CONFIG_ATTR] = {"budget": budget, "depth": depth, "abi": DDTREE_ABI}
+    spec.num_speculative_tokens = budget
+    logger.warning("ddtree-patch: DDTree drafting: %d verify nodes per request (scheduler, runner and KV "
+                   "slots sized for num_speculative_tokens=%d); the DFlash drafter drafts %d positions "
+                   "(its num_speculative_tokens=%d)", budget, budget, min(depth, budget), depth)
+    refuse_without_tree_target_step()
+
+
+# ======== ISSUE 13 REMOVES THIS (and its call at the end of configure) ========================
+def refuse_without_tree_target_step() -> None:
+    """DDTree drafting works, but the target still scores a verify batch as a chain (causal
+    attention over node order, positions ctx + node index, no KV compaction): trees verified
+    that way would be scored against the wrong prefixes. Refuse to start."""
+    raise DDTreeNotReady(
+        "ddtree-patch: DDTREE_PATCH_ENABLE=1 is refused: DDTree drafting (ddtree-proposer) is "
+        "installed, but the tree-shaped target step (ancestor-only attention, depth positions, "
+        "KV compaction; issue 13) is not, so the target would score the trees as chains. Unset "
+        f"{ENV_ENABLE} to run DFlash, or use {ENV_CHAIN}=1 for the chain-as-tree diagnostic.")
+# ===============================================================================================
+
+
+def _record(spec_config, where: str) -> dict:
+    """The configure() record, checked against this process's environment."""
+    record = vars(spec_config).get(CONFIG_ATTR)
+    if not enabled():
+        raise DDTreeConfigError(
+            f"ddtree-patch: {where}: the speculative config was built with DDTree (budget "
+            f"{record['budget']}) but {ENV_ENABLE} is not set in this process (pid {os.getpid()}): the "
+            "tree-walk hook would verify trees as chains; set the same DDTREE_PATCH_* variables "
+            "in every vLLM process")
+    if record is None:
+        raise DDTreeConfigError(
+            f"ddtree-patch: {where}: {ENV_ENABLE}=1 here (pid {os.getpid()}) but the speculative config "
+            "was built without DDTree (in a process where it was not set, or by a vLLM the "
+            "ddtree-proposer patch is not applied to): set the DDTREE_PATCH_* variables where "
+            "the engine is created, and run `ddtree-patch verify`")
+    if record.get("abi") != DDTREE_ABI:
+        raise DDTreeABIError(f"ddtree-patch: {where}: config record of ABI {record.get('abi')}, "
+                             f"runtime ABI {DDTREE_ABI}")
+    budget = budget_from_env()
+    if budget != record["budget"] or spec_config.num_speculative_tokens != budget:
+        raise DDTreeConfigError(
+            f"ddtree-patch: {where}: {ENV_BUDGET} is {budget} in this process (pid {os.getpid()}) "
+            f"but the speculative config was built for budget {record['budget']} "
+            f"(num_speculative_tokens {spec_config.num_speculative_tokens})")
+    return record
+
+
+# ---- the drafters ----------------------------------------------------------------------------
+def bind_v1(drafter: Any, runner: Any, *, ddtree_abi: int) -> "DDTreeDrafter":
+    """``DFlashProposer.__init__`` (V1), right after ``super().__init__``: pin the drafter's
+    depth (``num_speculative_tokens``) to L_eff before DFlash sizes its query buffers."""
+    check_abi(ddtree_abi)
+    spec = drafter.speculative_config
+    if spec.method != "dflash":
+        raise DDTreeConfigError(f"ddtree-patch: DDTree drafts with DFlash drafters only (method={spec.method!r})")
+    record = _record(spec, type(drafter).__name__)
+    dd = DDTreeDrafter("V1", record["budget"], record["depth"], drafter.device,
+                       drafter.vllm_config.scheduler_config.max_num_seqs, runner)
+    drafter.num_speculative_tokens = dd.depth
+    return dd
+
+
+def bind_v2(speculator: Any, *, ddtree_abi: int) -> "DDTreeDrafter":
+    """``DFlashSpeculator.__init__`` (V2), right after ``super().__init__``: the base class sized
+    ``draft_tokens`` ``[max_num_reqs, N]`` (it holds the node tokens); pin
+    ``num_speculative_steps`` to L_eff before DFlash sizes its query and sample buffers."""
+    check_abi(ddtree_abi)
+    spec = speculator.speculative_config
+    name = type(speculator).__name__
+    if spec.method != "dflash" or name != "DFlashSpeculator":
+        raise DDTreeConfigError(f"ddtree-patch: DDTree drafts with the V2 DFlashSpeculator only "
+                                f"(method={spec.method!r}, speculator {name})")
+    record = _record(spec, name)
+    dd = DDTreeDrafter("V2", record["budget"], record["depth"], speculator.device, speculator.max_num_reqs)
+    if tuple(speculator.draft_tokens.shape) != (speculator.max_num_reqs, dd.budget):
+        raise DDTreeConfigError(f"ddtree-patch: {name}.draft_tokens is {tuple(speculator.draft_tokens.shape)}, "
+                                f"expected ({speculator.max_num_reqs}, {dd.budget})")
+    speculator.num_speculative_steps = dd.depth
+    dd.alloc_v2()
+    return dd
+
+
+def _use_kernel(dev) -> bool:
+    """The Triton builder on CUDA, or on CPU tensors under TRITON_INTERPRET=1; else the reference."""
+    return dev.type == "cuda" or _flag("TRITON_INTERPRET")
+
+
+class DDTreeDrafter:
+    """Per-drafter DDTree state: budget N, depth L_eff, the tree builder, the tree channel."""
+
+    def __init__(self, kind: str, budget: int, drafter_depth: int, device, max_num_reqs: int, runner=None):
+        import torch
+
+        self.kind = kind
+        self.budget = int(budget)  # N: verify nodes per request
+        self.drafter_depth = int(drafter_depth)  # L: the drafter's configured depth
+        self.depth = min(self.drafter_depth, self.budget)  # L_eff: positions drafted
+        self.topk = None  # per-depth top-K of the builder (None: its default, min(N, 8))
+        self.device = torch.device(device)
+        self.max_num_reqs = int(max_num_reqs)
+        self._runner = weakref.ref(runner) if runner is not None else None
+        self._attached: list[str] = []  # request ids attached by the last step
+        self.chain_parents = torch.arange(self.budget, dtype=torch.int32, device=self.device)
+        self.steps = 0
+        self.tree_rows = 0  # requests drafted as trees (attached)
+        self.chain_rows = 0  # requests drafted as chains
+        self.last_tree = None  # the last DraftTree (diagnostics)
+        logger.info("ddtree-patch: DDTree drafter bound (%s): budget %d, drafter depth %d (configured %d)",
+                    kind, self.budget, self.depth, self.drafter_depth)
+
+    # ---- device side: logits -> tokens -------------------------------------------------------
+    def build(self, logits):
+        """Position logits ``[B * L_eff, V]`` (request-major) -> (tree DraftTree, node tokens
+        ``[B, N]`` int64 with padding -> FILLER_TOKEN, chain tokens ``[B, N]`` int64)."""
+        import torch
+
+        from ddtree_patcher.kernels import build_tree, build_tree_ref
+
+        L, N = self.depth, self.budget
+        V = logits.shape[-1]
+        x = logits.view(-1, L, V)
+        fn = build_tree if _use_kernel(x.device) else build_tree_ref
+        tree = fn(x, N, self.topk, ancestor_mask=False)
+        tokens = tree.tokens.to(torch.int64).clamp_min(FILLER_TOKEN)
+        spine = tree.topk_ids[:, :, 0].to(torch.int64).clamp_min(FILLER_TOKEN)  # DFlash's argmax
+        chain = torch.full_like(tokens, FILLER_TOKEN)
+        chain[:, :L] = spine
+        self.last_tree = tree
+        return tree, tokens, chain
+
+    def select(self, ok, tree_tokens, tree_parents, chain_tokens):
+        """Per row: the tree (``ok[b]``) or the chain. ``ok`` bool ``[B]`` on the device."""
+        import torch
+
+        tokens = torch.where(ok[:, None], tree_tokens, chain_tokens)
+        parents = torch.where(ok[:, None], tree_parents, self.chain_parents[None, :])
+        return tokens, parents
+
+    def upload(self, flags):
+        """A host list of bools as a device tensor (pinned, non-blocking: no sync)."""
+        import numpy as np
+        import torch
+
+        t = torch.from_numpy(np.asarray(flags, dtype=np.bool_))
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
+
+    # ---- the tree channel (host: request ids and flags only) --------------------------------
+    def _channel(self, runner, req_ids):
+        """(TreeStep, tree-ok flags) for the batch's requests."""
+        from . import hook
+
+        step = hook.tree_step(runner)
+        if step is None:  # cannot happen: _record checked DDTREE_PATCH_ENABLE
+            raise DDTreeConfigError("ddtree-patch: the runner has no tree channel")
+        for rid in self._attached:  # trees of the previous step that no verify step consumed
+            step.detach(rid)
+        return step, step.tree_ok(list(req_ids))
+
+    def _attach(self, step, req_ids, ok, parents) -> None:
+        rows = [rid if flag else None for rid, flag in zip(req_ids, ok)]
+        self._attached = [rid for rid in rows if rid is not None]
+        if self._attached:
+            step.attach(rows, parents)
+        self.steps += 1
+        self.tree_rows += len(self._attached)
+        self.chain_rows += len(rows) - len(self._attached)
+
+    # ---- V1: SpecDecodeBaseProposer.propose ---------------------------------------------------
+    def steps_for(self, num_speculative_tokens: int) -> int:
+        """0.24+ ``propose(num_speculative_tokens, ...)``: the runner's K must be the budget; the
+        drafter drafts L_eff positions."""
+        if num_speculative_tokens != self.budget:
+            raise DDTreeConfigError(
+                f"ddtree-patch: the runner asked the drafter for {num_speculative_tokens} draft tokens "
+                f"per request, DDTree verifies exactly {self.budget} (its node budget)")
+        return self.depth
+
+    def propose_v1(self, drafter, sample_hidden_states):
+        """Where DFlash returns ``argmax(logits).view(-1, L)``: the node tokens ``[B, N]``."""
+        logits = drafter.model.compute_logits(sample_hidden_states)
+        tree, tokens, chain = self.build(logits)
+        B = tokens.shape[0]
+        runner = self._runner() if self._runner is not None else None
+        req_ids = list(runner.input_batch.req_ids[:B])
+        step, ok = self._channel(runner, req_ids)
+        tokens, parents = self.select(self.upload(ok), tokens, tree.parents, chain)
+        self._attach(step, req_ids, ok, parents)
+        return tokens
+
+    # ---- V2: DFlashSpeculator._generate_draft (in the FULL draft graph) + the runner ----------
+    def alloc_v2(self) -> None:
+        import torch
+
+        R, dev = self.max_num_reqs, self.device
+        self.parents_v2 = torch.zeros(R, self.budget, dtype=torch.int32, device=dev)
+        self.chain_v2 = torch.zeros(R, self.budget, dtype=torch.int64, device=dev)
+
+    def draft_v2(self, speculator, sample_hidden_states, num_reqs: int) -> None:
+        """Replaces the argmax and the write of ``draft_tokens``: writes the node tokens into
+        ``speculator.draft_tokens[:num_reqs]`` (``[R, N]``) and the parents and the chain into
+        persistent buffers (fixed addresses: this runs inside the captured draft graph)."""
+        logits = speculator.model.compute_logits(sample_hidden_states)
+        tree, tokens, chain = self.build(logits)
+        speculator.draft_tokens[:num_reqs] = tokens
+        self.parents_v2[:num_reqs] = tree.parents
+        self.chain_v2[:num_reqs] = chain
+
+    def tokens_v2(self, runner, input_batch, draft_tokens):
+        """``GPUModelRunner.sample_tokens``, before ``req_states.draft_tokens[idx_mapping] =
+        draft_tokens``: per request the tree (attached) or the chain; returns ``[num_reqs, N]``."""
+        num_reqs = draft_tokens.shape[0]
+        req_ids = list(input_batch.req_ids[:num_reqs])
+        step, ok = self._channel(runner, req_ids)
+        tokens, parents = self.select(self.upload(ok), draft_tokens, self.parents_v2[:num_reqs],
+                                      self.chain_v2[:num_reqs])
+        self._attach(step, req_ids, ok, parents)
+        return tokens
