@@ -422,13 +422,13 @@ class TreeStep:
         rowpar = torch.arange(T, dtype=torch.int64, device=dev)
         rowpar[node_rows] = node_root + parents.to(torch.int64)
         depth = torch.zeros(T, dtype=torch.int64, device=dev)
-        depth[node_rows] = 1
+        depth.index_fill_(0, node_rows, 1)  # not `depth[rows] = 1`: a Python scalar is copied to the device (a sync)
         a = rowpar
         for _ in range(max(ro.maxn, 1).bit_length()):  # pointer jumping: ceil(log2(maxn + 1))
             depth = depth + depth[a]
             a = a[a]
         has_child = torch.zeros(T, dtype=torch.bool, device=dev)
-        has_child[rowpar[node_rows]] = True
+        has_child.index_fill_(0, rowpar[node_rows], True)
         if not self._where:
             self._att.clear()  # every attached tree consumed: drop the references
         return parents.contiguous(), depth, has_child, node_rows, root_rows

@@ -4,7 +4,8 @@ Inside ``no_host_sync()``, the torch calls that synchronise with the device on C
 (``Tensor.item/tolist/cpu/numpy/nonzero/__bool__/__int__/__float__/__index__``,
 ``torch.nonzero``, ``torch.repeat_interleave``/``Tensor.repeat_interleave`` without
 ``output_size``, ``torch.tensor``/``as_tensor`` of a tensor, and boolean-mask indexing via
-``Tensor.__getitem__``) raise ``HostSyncError`` when they are called from a frame of
+``Tensor.__getitem__``, and ``Tensor.__setitem__`` of a Python scalar: a blocking H2D copy on CUDA, found on the
+H200) raise ``HostSyncError`` when they are called from a frame of
 ``ddtree_patcher`` (vLLM's own code and the Triton interpreter may still call them). On CPU
 nothing synchronises, so this is what makes a sync added to the step visible in the CPU tests.
 """
@@ -41,6 +42,11 @@ def _bool_index(self, idx, *a, **k):
     return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
 
 
+def _scalar_value(self, idx, value, *a, **k):
+    """``t[idx] = 1``: on CUDA the Python scalar is copied from a CPU tensor, a blocking copy."""
+    return isinstance(value, (bool, int, float)) and self.device.type != "meta"
+
+
 def _no_output_size(*a, **k):
     return "output_size" not in k and any(isinstance(x, torch.Tensor) for x in a[1:2])
 
@@ -58,6 +64,7 @@ def no_host_sync():
     for attr in ("item", "tolist", "cpu", "numpy", "nonzero", "__bool__", "__int__", "__float__", "__index__"):
         patch(T, attr)
     patch(T, "__getitem__", _bool_index)
+    patch(T, "__setitem__", _scalar_value)
     patch(T, "repeat_interleave", _no_output_size)
     patch(torch, "repeat_interleave", _no_output_size)
     patch(torch, "nonzero")
