@@ -33,6 +33,8 @@ try:
     kw = dict(model=f"{root}/target", skip_tokenizer_init=True, dtype=os.environ.get("DTYPE", "bfloat16"),
               max_model_len=256, max_num_seqs=8, enforce_eager=eager, gpu_memory_utilization=0.25,
               disable_log_stats=False, seed=0)
+    if os.environ.get("MAX_BATCHED_TOKENS"):  # a smaller warm-up batch (CPU: the profile run costs seconds)
+        kw["max_num_batched_tokens"] = int(os.environ["MAX_BATCHED_TOKENS"])
     if not eager:
         kw["compilation_config"] = {"max_cudagraph_capture_size": 32}
     if spec:
