@@ -389,7 +389,7 @@ def evaluate(rec: dict) -> dict:
             ch["engine.v2"] = _engine(v2a, nospec)
         else:
             ch["engine.v2"] = "n/a: V2 does not start on this CPU build"
-            rec["v2"] = {"available": False, "reason": (v2p.get("error") or "").splitlines()[0][:300]}
+            rec["v2"] = {"available": False, "reason": " ".join((v2p.get("error") or "").split())[:300]}
     else:
         ch["engine.v2"] = "n/a: no V2 DFlash in this release"
         rec["v2"] = {"available": False, "reason": "no V2 DFlash speculator in this release "

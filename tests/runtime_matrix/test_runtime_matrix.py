@@ -14,8 +14,9 @@ from runtime_matrix import harness, hybrid
 
 
 def tier() -> str:
-    """"ci" (what the checks need, V1) unless a matrix is asked for explicitly: then every cell."""
-    return "full" if os.environ.get("DDTREE_RUNTIME_MATRIX") else "ci"
+    """"ci" (what the checks need, V1) unless a matrix is asked for explicitly: then every cell
+    (DDTREE_RUNTIME_MATRIX_TIER=ci|full says which, whatever the releases)."""
+    return os.environ.get("DDTREE_RUNTIME_MATRIX_TIER") or ("full" if os.environ.get("DDTREE_RUNTIME_MATRIX") else "ci")
 
 
 def releases() -> list[str]:
