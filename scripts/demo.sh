@@ -5,11 +5,28 @@
 #   ddtree-patch apply -> verify (status table) -> apply again (no-op) -> revert
 # against that environment's interpreter, and check every file against the wheel's RECORD.
 #   usage: bash scripts/demo.sh [VLLM_VERSION]     (default 0.20.0; try 0.33.0 too)
+# The scratch folder (~600 MB: a venv with vLLM) is removed at the end, whatever happens, unless
+# KEEP=1 (or DEMO_DIR names a folder of your own, which is never removed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERSION=${1:-0.20.0}
 PYTHON=${PYTHON:-python3}
-WORK=${DEMO_DIR:-$(mktemp -d /tmp/ddtree-demo.XXXXXX)}
+if [ -n "${DEMO_DIR:-}" ]; then
+    WORK=$DEMO_DIR
+    OWN=0
+else
+    WORK=$(mktemp -d /tmp/ddtree-demo.XXXXXX)
+    OWN=1
+fi
+cleanup() {
+    if [ "$OWN" = 1 ] && [ "${KEEP:-0}" != 1 ]; then
+        rm -rf -- "$WORK"
+        echo "== removed the scratch environment $WORK (KEEP=1 keeps it)"
+    else
+        echo "== kept the scratch environment $WORK"
+    fi
+}
+trap cleanup EXIT
 echo "== scratch environment: $WORK"
 "$PYTHON" -m venv "$WORK/venv"
 "$WORK/venv/bin/pip" install -q --disable-pip-version-check .

@@ -25,7 +25,8 @@ def patch_files() -> list[str]:
 def run_cli(*args: str, env: dict | None = None, timeout: float = 300, **popen):
     """Run the installed ``ddtree-patch`` console script; returns (exit code, JSON or None, stderr)."""
     exe = Path(sys.executable).with_name("ddtree-patch")
-    proc = subprocess.run([str(exe), *args], capture_output=True, text=True, env={**os.environ, **(env or {})},
+    base = {k: v for k, v in os.environ.items() if k != "COLUMNS"}  # no wrapping unless a test asks
+    proc = subprocess.run([str(exe), *args], capture_output=True, text=True, env={**base, **(env or {})},
                           timeout=timeout, cwd="/", **popen)
     doc = json.loads(proc.stdout) if "--json" in args and proc.stdout.strip() else None
     if "--json" in args and doc is None and proc.returncode in (0, 3, 4, 5, 6):

@@ -20,6 +20,15 @@ calls while the drafter is built (once per layer, never per step). Imports nothi
   soon as one layer is), so the draft attention groups whose layers are all causal (the sliding
   layers of a z-lab drafter) get their metadata rebuilt as causal, as V2 does per KV group.
 
+* :func:`check_mixed_drafter` runs where a mixed drafter is resolved (0.25.0+: in place of
+  upstream's ``raise NotImplementedError``; 0.20.0-0.24.0: in :func:`resolve_layer_attention`):
+  a V2 runner that cannot run mixed drafters (0.24.0-0.25.0: one draft attention group for every
+  layer, drafter-wide causality) refuses them with :class:`MixedDrafterOnV2Error`, a named
+  ``NotImplementedError``, instead of running their sliding layers with full attention.
+
+Which runner builds the drafter (:func:`draft_runner`) is vLLM's own decision
+(``VllmConfig.use_v2_model_runner``, the property the worker builds its runner from).
+
 All-sliding and all-full drafters keep upstream behaviour (nothing is changed for them here), and
 so do mixed drafters built for a V2 runner that supports them (0.26.0+).
 """
@@ -34,6 +43,13 @@ SLIDING = "sliding_attention"
 
 class SlidingWindowRuntimeError(RuntimeError):
     pass
+
+
+class MixedDrafterOnV2Error(NotImplementedError):
+    """A mixed sliding/full DFlash drafter built for a V2 runner that cannot run it."""
+
+
+V1, V2, V2_MIXED = "v1", "v2", "v2-mixed"  # see draft_runner()
 
 
 def _check_abi(swa_abi: int) -> None:
@@ -82,8 +98,11 @@ def layer_window(config: Any, layer_idx: int) -> int | None:
 
 
 def resolve_layer_attention(config: Any, layer_idx: int, *, swa_abi: int) -> tuple[int | None, bool]:
-    """``(sliding_window, causal)`` for one DFlash draft layer."""
+    """``(sliding_window, causal)`` for one DFlash draft layer (0.20.0-0.24.0, which have no
+    resolver); a mixed drafter is checked against the runner that builds it."""
     _check_abi(swa_abi)
+    if is_mixed(config):
+        check_mixed_drafter(swa_abi=swa_abi)
     return layer_window(config, layer_idx), layer_causal(config, layer_idx)
 
 
@@ -118,31 +137,54 @@ def symmetrize_window(attn: Any) -> None:
         impl.sliding_window = (window[0], window[0])
 
 
-def v2_runs_mixed_drafters() -> bool:
-    """Whether this drafter is being built for a V2 runner that runs mixed drafters itself
-    (multiple KV cache groups, per-group causality: vLLM 0.26.0+, recognised by
-    ``VllmConfig._dflash_needs_multi_kv_group``). Upstream behaviour is then kept."""
+def draft_runner() -> str:
+    """Which model runner this drafter is being built for, as vLLM decides it:
+
+    * ``"v1"``: the V1 runner (``VllmConfig.use_v2_model_runner`` false);
+    * ``"v2-mixed"``: a V2 runner that runs mixed drafters itself (multiple KV cache groups,
+      per-group causality: 0.26.0+, recognised by ``VllmConfig._dflash_needs_multi_kv_group``);
+    * ``"v2"``: a V2 runner that does not (0.24.0-0.25.0).
+
+    Releases without the property (0.20.0-0.21.0) read ``VLLM_USE_V2_MODEL_RUNNER`` as their worker does."""
     try:
         from vllm.config import VllmConfig, get_current_vllm_config
     except ImportError:
-        return False
-    if not hasattr(VllmConfig, "_dflash_needs_multi_kv_group"):
-        return False
-    return bool(getattr(get_current_vllm_config(), "use_v2_model_runner", False))
+        return V1
+    use_v2 = getattr(get_current_vllm_config(), "use_v2_model_runner", None)
+    if use_v2 is None:
+        import vllm.envs as envs
+
+        use_v2 = getattr(envs, "VLLM_USE_V2_MODEL_RUNNER", False)
+    if not use_v2:
+        return V1
+    return V2_MIXED if hasattr(VllmConfig, "_dflash_needs_multi_kv_group") else V2
+
+
+MIXED_ON_V2 = (
+    "ddtree-patch (dflash-sliding-window): this DFlash drafter mixes sliding-window and full-attention "
+    "layers, and the V2 model runner of this vLLM cannot run it: it builds one draft attention group for "
+    "every layer, so the sliding layers would attend to the whole context (upstream runs mixed drafters "
+    "on V2 from vLLM 0.26.0). Relaunch with VLLM_USE_V2_MODEL_RUNNER=0: the patched V1 runner runs it.")
+
+
+def check_mixed_drafter(*, swa_abi: int, runner: str | None = None) -> None:
+    """Called where a mixed sliding/full drafter is resolved: refuses it on a V2 runner that
+    cannot run it (``runner``: see :func:`draft_runner`; None: ask vLLM)."""
+    _check_abi(swa_abi)
+    if (runner or draft_runner()) == V2:
+        raise MixedDrafterOnV2Error(MIXED_ON_V2)
 
 
 def finish_draft_layer(config: Any, layer_idx: int, attn: Any, causal: bool, *, swa_abi: int,
-                       v2_upstream: bool | None = None) -> None:
-    """Called once per draft layer, right after its ``Attention`` is built. ``v2_upstream``:
-    see :func:`v2_runs_mixed_drafters` (None: ask vLLM)."""
+                       runner: str | None = None) -> None:
+    """Called once per draft layer, right after its ``Attention`` is built. ``runner``: see
+    :func:`draft_runner` (None: ask vLLM); only the V1 runner gets full KV storage."""
     _check_abi(swa_abi)
     attn.ddtree_causal = bool(causal)
     if getattr(attn, "sliding_window", None) is None:
         return
     if is_mixed(config):
-        if v2_upstream is None:
-            v2_upstream = v2_runs_mixed_drafters()
-        if not v2_upstream:
+        if (runner or draft_runner()) == V1:
             keep_full_kv_storage(attn)
     if not causal:
         symmetrize_window(attn)

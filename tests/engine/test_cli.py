@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -68,9 +70,16 @@ def test_dry_run_prints_the_diff_and_writes_nothing(make_site):
     rc, doc, err = run_cli("apply", "--vllm-path", str(site), "--patch", ID, "--dry-run", "--json")
     assert rc == 0 and doc["changed"] is False
     assert "+                layer_ids = [i + 1 for i in" in doc["diff"]
-    assert "--- a/vllm/v1/worker/gpu_model_runner.py" in err
+    assert "--- a/vllm/v1/worker/gpu_model_runner.py" not in err  # with --json the diff is in the object
+    # Without --json the diff is data: on stdout, so `apply --dry-run > x.diff` saves it; talk on stderr.
+    proc = subprocess.run([str(Path(sys.executable).with_name("ddtree-patch")), "apply", "--vllm-path", str(site),
+                           "--patch", ID, "--dry-run"], capture_output=True, text=True, cwd="/")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("--- a/vllm/") and proc.stdout == doc["diff"]
+    assert "--- a/vllm/v1/worker/gpu_model_runner.py" in proc.stdout
+    assert "--- a/" not in proc.stderr and "changed: no" in proc.stderr
     assert tree_bytes(site) == before
-    assert not (site / ".ddtree-patch" / "state.json").exists()
+    assert not (site / ".ddtree-patch").exists()  # a dry run leaves nothing behind
 
 
 def test_patch_selection_and_unknown_ids(make_site):

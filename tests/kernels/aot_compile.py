@@ -1,4 +1,4 @@
-"""AOT-compile every tree_verify kernel for NVIDIA targets without a GPU.
+"""AOT-compile every tree_verify and build_tree kernel for NVIDIA targets without a GPU.
 
 Run as a script in a process WITHOUT ``TRITON_INTERPRET`` (the @triton.jit
 decorator picks interpreter mode at import time). Prints one line per compiled
@@ -26,8 +26,9 @@ from triton.compiler import ASTSource  # noqa: E402
 
 import importlib  # noqa: E402
 
-# NOTE: the package attribute `tree_verify` is the function; take the module.
+# NOTE: the package attributes `tree_verify`/`build_tree` are the functions; take the modules.
 K = importlib.import_module("ddtree_patcher.kernels.tree_verify")
+BT = importlib.import_module("ddtree_patcher.kernels.build_tree")
 
 
 def _sig(fn, types, consts):
@@ -59,7 +60,44 @@ REDUCE_PTRS = dict(
 )
 
 
+CHUNK_PTRS = dict(
+    logits_ptr="*bf16", active_ptr="*i1", part_key_ptr="*i64", part_m_ptr="*fp32",
+    part_s_ptr="*fp32", idx_scr_ptr="*i32", L="i32", V="i32", stride_b="i32", stride_l="i32",
+    NCH="i32",
+)
+MERGE_PTRS = dict(
+    part_key_ptr="*i64", part_m_ptr="*fp32", part_s_ptr="*fp32", active_ptr="*i1",
+    top_lp_ptr="*fp32", top_id_ptr="*i32", lse_ptr="*fp32", L="i32", V="i32", NCH="i32",
+)
+TREE_PTRS = dict(
+    top_lp_ptr="*fp32", top_id_ptr="*i32", active_ptr="*i1", tok_ptr="*i32", par_ptr="*i32",
+    dep_ptr="*i32", score_ptr="*fp32", mask_ptr="*i32", exact_ptr="*i1", L="i32", K="i32",
+    budget="i32", NW="i32",
+)
+
+
+def build_tree_variants():
+    """The variants bench_build_tree.py launches (L = 16, V = 151,936, budgets 16/64/256)."""
+    for dtype in ("*bf16", "*fp32"):
+        for kp, active in ((16, False), (16, True), (32, False)):
+            yield f"build_tree chunk {dtype[1:]} KP={kp} active={active}", BT._chunk_kernel, dict(
+                CHUNK_PTRS, logits_ptr=dtype), dict(
+                active_ptr="keep" if active else None, CHUNK=8192, KP=kp,
+                CAPT=max(128, 8 * kp), SUB=1024, HAS_ACTIVE=active,
+                KEY32=dtype == "*bf16"), 0
+    for kp, active in ((16, False), (32, True)):
+        yield f"build_tree merge KP={kp} active={active}", BT._merge_kernel, MERGE_PTRS, dict(
+            active_ptr="keep" if active else None, NCHP=32, KP=kp, HAS_ACTIVE=active), 0
+    for n, mask, active in ((16, True, False), (64, True, True), (256, True, False), (256, False, False)):
+        np_ = max(16, 1 << n.bit_length())
+        nwp = 1 << ((n + 32) // 32 - 1).bit_length()
+        yield f"build_tree tree n={n} mask={mask} active={active}", BT._tree_kernel, TREE_PTRS, dict(
+            active_ptr="keep" if active else None, mask_ptr="keep" if mask else None, KP=16,
+            NP=np_, NWP=nwp, RB=min(np_, 4096 // nwp), HAS_ACTIVE=active, WRITE_MASK=mask), 0
+
+
 def variants():
+    yield from build_tree_variants()
     for block_n in (16, 1024):
         yield "walk all-greedy", K.tree_verify_walk_kernel, WALK_PTRS, dict(
             target_probs_ptr=None, is_greedy_ptr=None, coins_ptr=None, seeds_ptr=None,

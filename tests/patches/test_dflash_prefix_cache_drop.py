@@ -42,12 +42,52 @@ def expected(version: str) -> str:
     return "pending"
 
 
-def expected_variants(version: str) -> dict[str, str]:
+def _key(v: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in v.split("."))
+
+
+def _between(version: str, first: str, last: str) -> bool:
+    return _key(first) <= _key(version) <= _key(last)
+
+
+def expected_variants(version: str) -> dict[str, tuple[str | None, str]]:
+    """{file: (variant, status)} on a pristine release (variant None: the file is absent)."""
     if version in NEEDS_SLOT:
-        return {P.SCHEDULER_PY: "sched-0.20", P.SPECULATIVE_PY: "no-predicate"}
-    if version in SCHED_030:
-        return {P.SCHEDULER_PY: "sched-0.30", P.SPECULATIVE_PY: "predicate-0.30"}
-    return {P.SCHEDULER_PY: "sched-0.23", P.SPECULATIVE_PY: "no-predicate"}
+        sched = {P.SCHEDULER_PY: ("sched-0.20", "pending"), P.SPECULATIVE_PY: ("no-predicate", "not-applicable")}
+    elif version in SCHED_030:
+        sched = {P.SCHEDULER_PY: ("sched-0.30", "pending"), P.SPECULATIVE_PY: ("predicate-0.30", "pending")}
+    else:
+        sched = {P.SCHEDULER_PY: ("sched-0.23", "pending"), P.SPECULATIVE_PY: ("no-predicate", "not-applicable")}
+    if version in UPSTREAM:
+        sched = {P.SCHEDULER_PY: ("sched-0.30", "upstream"), P.SPECULATIVE_PY: ("predicate-0.30", "upstream")}
+
+    def connector(variant: str, first: str, absent_before: str | None = None, gone_from: str | None = None):
+        """bare use_eagle() from ``first`` to 0.29.0; use_eagle_block_drop() (upstream's predicate) from 0.30.0."""
+        if absent_before and _key(version) < _key(absent_before):
+            return (None, "absent")
+        if gone_from and _key(version) >= _key(gone_from):
+            return (variant, "not-applicable")  # the decision moved out of this function
+        if _key(version) >= (0, 30, 0):
+            return (variant, "upstream")
+        return (variant, "pending" if _key(version) >= _key(first) else "not-applicable")
+
+    if _between(version, "0.20.0", "0.28.0"):
+        utils = ("annotate-dsv4-0.20", "pending")
+    elif version == "0.29.0":
+        utils = ("annotate-0.29", "pending")
+    elif version in SCHED_030:
+        utils = ("warn-0.30", "pending")
+    else:
+        utils = ("planning-0.33", "not-applicable")
+    return {**sched,
+            P.OFFLOADING_PY: connector("offloading-0.24", "0.24.0"),
+            P.MOONCAKE_PY: connector("mooncake-0.22", "0.22.0", absent_before="0.21.0", gone_from="0.32.0"),
+            P.SIMPLE_OFFLOAD_PY: connector("simple-offload-0.27", "0.27.0"),
+            P.KV_UTILS_PY: utils}
+
+
+def changed_files(version: str) -> list[str]:
+    return sorted(f for f, (_, status) in expected_variants(version).items() if status == "pending")
 
 
 def test_registered_in_series_after_layer_offset():
@@ -60,18 +100,19 @@ def test_status_per_release(version, matrix_statuses):
     assert matrix_statuses[version][ID] == expected(version)
 
 
-@pytest.mark.parametrize("version", PENDING)
+@pytest.mark.parametrize("version", MATRIX[1:])
 def test_pending_releases_match_a_verified_shape(version):
     """Each pending file is recognised by the expected variant, on a shape it was verified on."""
     root = vllm_wheels.extracted(version)
     for pf in P.PATCH.files:
+        want, status = expected_variants(version)[pf.path]
+        if want is None:
+            assert pf.optional and not (root / pf.path).exists(), pf.path
+            continue
         finding = examine(P.PATCH, pf, cst.parse_module((root / pf.path).read_bytes()))
-        want = expected_variants(version)[pf.path]
-        assert finding.variant == want, (pf.path, finding)
-        if want == "no-predicate":
-            assert finding.status == "not-applicable", finding
-        else:
-            assert finding.status == "pending" and not finding.untested, finding
+        assert (finding.variant, finding.status) == (want, status), (pf.path, finding)
+        if status == "pending":
+            assert not finding.untested, finding
             assert version in next(v for v in pf.variants if v.name == want).verified_on
 
 
@@ -90,8 +131,7 @@ def test_apply_verify_revert_is_byte_exact(version, make_site, cli):
     assert statuses(doc)[ID] == "applied"
     patched = tree_bytes(site)
     changed = sorted(k for k in patched if patched[k] != pristine[k])
-    want = [P.SCHEDULER_PY] + ([P.SPECULATIVE_PY] if version in SCHED_030 else [])
-    assert changed == sorted(want)
+    assert changed == changed_files(version)
     for rel in changed:
         compile(patched[rel], rel, "exec", dont_inherit=True)
         added = added_lines(pristine[rel], patched[rel])
@@ -137,13 +177,16 @@ def test_apply_is_a_no_op_where_not_pending(version, make_site, cli):
 
 
 def test_shape_hashes_are_those_of_the_wheels():
-    """Every hash listed in a variant is the pristine shape of a release it claims."""
-    assert_shapes_are_those_of_the_wheels(P.PATCH)
+    """Every hash listed in a variant is the pristine shape of a release where it is pending."""
+    assert_shapes_are_those_of_the_wheels(
+        P.PATCH, lambda version, path, variant: expected_variants(version)[path] == (variant, "pending"))
 
 
 # ---- behaviour: a real Scheduler + KVCacheManager, pristine vs patched ----------------------------
 # 0.22.1 also shows the #42971 back-port (+1 DFlash lookahead slot) at work; marked slow (~40 s).
-BEHAVIOUR = (pytest.param("0.22.1", marks=pytest.mark.slow), "0.24.0", "0.28.0", "0.31.0")
+# 0.24.0: offloading + Mooncake connectors, DeepSeek-V4 annotation; 0.29.0: every connector and the
+# annotation of 0.29; 0.31.0: the predicate's consumers and the "no draft group" warning.
+BEHAVIOUR = (pytest.param("0.22.1", marks=pytest.mark.slow), "0.24.0", "0.29.0", "0.31.0")
 TINY_CONFIG = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
     "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 256,
@@ -153,7 +196,7 @@ TINY_CONFIG = {
 
 def _start_probe(site: Path, model_dir: Path, tmp: Path, name: str) -> tuple[subprocess.Popen, Path]:
     env = {**os.environ, "PYTHONPATH": str(site), "CUDA_VISIBLE_DEVICES": "", "VLLM_LOGGING_LEVEL": "ERROR",
-           "PYTHONDONTWRITEBYTECODE": "1" if name == "patched" else os.environ.get("PYTHONDONTWRITEBYTECODE", "")}
+           "PYTHONDONTWRITEBYTECODE": "1" if name.startswith("patched") else os.environ.get("PYTHONDONTWRITEBYTECODE", "")}
     env.pop("VLLM_TARGET_DEVICE", None)
     log = tmp / f"{name}.log"
     proc = subprocess.Popen([sys.executable, str(HERE / "prefix_cache" / "probe.py"), str(model_dir)],
@@ -169,17 +212,28 @@ def _result(proc: subprocess.Popen, log: Path, name: str) -> dict:
     return json.loads(lines[-1][len("PROBE-RESULT "):])
 
 
-@pytest.mark.parametrize("version", BEHAVIOUR)
-def test_dflash_hits_every_cached_block_after_patch(version, tmp_path, cli):
-    full = vllm_wheels.full(version)
+def _patched_site(tmp_path: Path, version: str, cli) -> Path:
+    """An overlay of the release's own Python (``vllm_wheels.extracted``: every .py file, which
+    imports on CPU without the wheel's compiled parts) with this patch applied."""
     files = sorted({*P.PATCH.requires, *(pf.path for pf in P.PATCH.files)})
-    site = overlay_site(tmp_path / "site", full, files)
+    site = overlay_site(tmp_path / f"site-{version}", vllm_wheels.extracted(version), files)
     rc, doc, err = cli("apply", "--vllm-path", str(site), "--patch", ID, "--json")
     assert rc == 0 and doc["changed"] and statuses(doc)[ID] == "applied", err
+    return site
 
+
+def _model_dir(tmp_path: Path) -> Path:
     model_dir = tmp_path / "tiny-llama"
-    model_dir.mkdir()
+    model_dir.mkdir(exist_ok=True)
     (model_dir / "config.json").write_text(json.dumps(TINY_CONFIG))
+    return model_dir
+
+
+@pytest.mark.parametrize("version", BEHAVIOUR)
+def test_dflash_hits_every_cached_block_after_patch(version, tmp_path, cli):
+    full = vllm_wheels.extracted(version)
+    site = _patched_site(tmp_path, version, cli)
+    model_dir = _model_dir(tmp_path)
     running = {name: _start_probe(path, model_dir, tmp_path, name)
                for name, path in (("pristine", full), ("patched", site))}
     got = {name: _result(*running[name], name) for name in running}
@@ -207,3 +261,41 @@ def test_dflash_hits_every_cached_block_after_patch(version, tmp_path, cli):
     assert patched["dflash"]["num_lookahead_tokens"] == k + 1
     assert pristine["dflash"]["num_lookahead_tokens"] == (k if version in NEEDS_SLOT else k + 1)
     assert patched["eagle3"]["num_lookahead_tokens"] == pristine["eagle3"]["num_lookahead_tokens"] == k
+    # A fresh 64-token prompt owns ceil((64 + K + 1) / 16) = 5 blocks from its first prefill on; before
+    # 0.23.0 (#43733) pristine vLLM allocates no lookahead at a first prefill (4 blocks).
+    assert patched["dflash"]["lookahead_blocks"] == [5, 5, 5]
+    assert pristine["dflash"]["lookahead_blocks"] == ([4, 5, 5] if version in NEEDS_SLOT else [5, 5, 5])
+    # Issue 10, defect 4: every other block-drop decision of the release's own code. The KV
+    # connectors (offloading 0.24+, Mooncake store 0.22+, simple CPU offload 0.27+; absent: None) drop
+    # for EAGLE, and for DFlash only before the patch; so does the draft-group annotation (here: a
+    # DeepSeek-V4 target's last-layer group); the "no draft group on a hybrid target" warning
+    # (0.30-0.32) no longer fires for DFlash, whose groups are no longer annotated.
+    present = {name: flag for name, flag in pristine["eagle3"]["connectors"].items() if flag is not None}
+    assert present and all(present.values()), pristine["eagle3"]
+    assert pristine["dflash"]["connectors"] == pristine["eagle3"]["connectors"]
+    assert patched["eagle3"]["connectors"] == pristine["eagle3"]["connectors"]
+    assert patched["dflash"]["connectors"] == {name: (None if flag is None else False)
+                                               for name, flag in pristine["eagle3"]["connectors"].items()}
+    assert pristine["dflash"]["annotated"] is pristine["eagle3"]["annotated"] is patched["eagle3"]["annotated"] is True
+    assert patched["dflash"]["annotated"] is False
+    warns = version in SCHED_030  # 0.29.0's warning function logs nothing; before 0.29.0 there is none
+    assert pristine["dflash"]["warned"] is pristine["eagle3"]["warned"] is patched["eagle3"]["warned"] is (
+        warns if _key(version) >= (0, 29, 0) else None)
+    assert patched["dflash"]["warned"] is (False if _key(version) >= (0, 29, 0) else None)
+
+
+def test_dflash_first_prefill_allocates_like_0_23(tmp_path, cli):
+    """Issue 10, defect 2: the #42971 back-port (0.20-0.22) must also allocate DFlash's lookahead at
+    the first prefill, as 0.23.0 does (#43733): otherwise the drafter's first pass writes positions
+    64-67 of a 64-token prompt past the blocks the request owns. Real Schedulers: patched 0.22.0 owns
+    what pristine 0.23.0 owns after the first schedule and after later ones. EAGLE keeps its own
+    0.22 behaviour (the patch changes DFlash only)."""
+    site = _patched_site(tmp_path, "0.22.0", cli)
+    model_dir = _model_dir(tmp_path)
+    running = {name: _start_probe(path, model_dir, tmp_path, name)
+               for name, path in (("patched-0.22.0", site), ("0.23.0", vllm_wheels.extracted("0.23.0")))}
+    got = {name: _result(*running[name], name) for name in running}
+    patched, upstream = got["patched-0.22.0"]["methods"], got["0.23.0"]["methods"]
+    assert got["patched-0.22.0"]["scheduler_marked"] and got["0.23.0"]["version"] == "0.23.0"
+    assert patched["dflash"]["lookahead_blocks"] == upstream["dflash"]["lookahead_blocks"] == [5, 5, 5]
+    assert patched["eagle3"]["lookahead_blocks"] == [4, 5, 5]

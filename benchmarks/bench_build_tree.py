@@ -1,0 +1,328 @@
+#!/usr/bin/env python3
+"""Benchmark the DDTree tree builder ``build_tree`` on a GPU (issue 12, piece 3).
+
+What it does, in one process:
+
+1. Measures the device's bandwidth: a 2 GiB device-to-device copy (read + write bytes) and a
+   2 GiB bf16 read (``torch.sum``), each as a CUDA-graph median.
+2. Correctness at full vocab on the GPU: kernel == ``build_tree_ref`` bit for bit (given the
+   kernel's logsumexp, which is also checked against ``torch.logsumexp``) on drafter-like bf16
+   logits, with inactive rows; the chain budget (K = 1, budget = L) == ``torch.argmax``.
+3. Timing (CUDA-graph replay, median; inputs rotated so one replay reads > 2x L2): for
+   B in {1, 8, 64, 256}, budget in {16, 64, 256}, L = 16, V = 151,936, bf16 logits:
+   ``build_tree`` (default K, ancestor mask on), its stage 1 alone (``draft_topk``: the one
+   read of the logits), DFlash's own ``torch.argmax(logits, -1)``, and the floor
+   B*L*V*2 bytes / copy bandwidth. A short sweep of tuning knobs follows.
+4. Prints a table and writes everything to ``$OUT/bench_build_tree.json`` (or ``--out``).
+
+Run from the repository root: ``PYTHONPATH=. python benchmarks/bench_build_tree.py``.
+``--smoke`` runs the same code on the CPU under the Triton interpreter with tiny sizes (wall
+clock instead of CUDA graphs), to catch mistakes before a GPU run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import os
+import pathlib
+import statistics
+import sys
+import time
+import traceback
+
+SMOKE = "--smoke" in sys.argv
+if SMOKE:  # must precede the first triton import
+    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+
+import torch  # noqa: E402
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+K = importlib.import_module("ddtree_patcher.kernels")
+BT = importlib.import_module("ddtree_patcher.kernels.build_tree")
+build_tree, build_tree_ref, draft_topk = K.build_tree, K.build_tree_ref, BT.draft_topk
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+# ----------------------------------------------------------------------------
+# Inputs
+# ----------------------------------------------------------------------------
+def drafter_logits(B, L, V, dev, gen_seed, dtype=torch.bfloat16):
+    """Drafter-like logits: N(0, 2^2) noise plus 8 spikes per row (+4..+14) at random ids."""
+    g = torch.Generator(device=dev).manual_seed(gen_seed)
+    x = torch.randn(B, L, V, device=dev, generator=g, dtype=torch.float32).mul_(2.0)
+    ids = torch.randint(0, V, (B, L, 8), device=dev, generator=g)
+    boost = 4.0 + 10.0 * torch.rand(B, L, 8, device=dev, generator=g)
+    x.scatter_add_(2, ids, boost)
+    return x.to(dtype)
+
+
+# ----------------------------------------------------------------------------
+# Timing
+# ----------------------------------------------------------------------------
+def graph_time(calls, reps):
+    """Median µs per call of a CUDA graph that runs every closure in `calls` once."""
+    for c in calls:  # warm up / compile outside the graph
+        c()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ts = []
+    for _ in range(reps):
+        st.record()
+        g.replay()
+        en.record()
+        en.synchronize()
+        ts.append(st.elapsed_time(en) * 1e3 / len(calls))
+    del g
+    return statistics.median(ts)
+
+
+def wall_time(calls, reps):
+    """CPU (smoke) stand-in: median wall µs per call, no graphs."""
+    ts = []
+    for _ in range(max(1, reps)):
+        t0 = time.perf_counter()
+        for c in calls:
+            c()
+        ts.append((time.perf_counter() - t0) * 1e6 / len(calls))
+    return statistics.median(ts)
+
+
+def timer(dev):
+    return graph_time if dev.type == "cuda" else (lambda calls, reps: wall_time(calls, 1))
+
+
+def reps_for(us_est):
+    return int(min(400, max(25, 2e5 / max(us_est, 1.0))))
+
+
+def n_sets(bytes_per_set, l2, cap_bytes=8e9, max_r=32):
+    need = max(1, math.ceil(2.0 * l2 / max(bytes_per_set, 1)))
+    return max(1, min(need, int(cap_bytes // max(bytes_per_set, 1)), max_r))
+
+
+def measure_bw(dev):
+    if dev.type != "cuda":
+        return float("nan"), float("nan")
+    x = torch.empty(2 * 2**30, dtype=torch.uint8, device=dev)
+    y = torch.empty_like(x)
+    t = graph_time([lambda: y.copy_(x)], 20)
+    copy_bw = 2 * x.numel() / (t * 1e-6)
+    del y
+    xb = x.view(torch.bfloat16).normal_()
+    out = torch.empty((), dtype=torch.float32, device=dev)
+    t = graph_time([lambda: torch.sum(xb, dim=0, dtype=torch.float32, out=out)], 20)  # (out= needs dim=)
+    read_bw = xb.numel() * 2 / (t * 1e-6)
+    del x, xb
+    torch.cuda.empty_cache()
+    return copy_bw, read_bw
+
+
+# ----------------------------------------------------------------------------
+# Correctness
+# ----------------------------------------------------------------------------
+def correctness(dev, L, V, results, smoke):
+    ok = True
+    cfgs = [(2, 64, None), (4, 256, None), (3, 64, 16)] if not smoke else [(2, 12, 4)]
+    for i, (B, n, k) in enumerate(cfgs):
+        x = drafter_logits(B, L, V, dev, 100 + i)
+        active = torch.ones(B, dtype=torch.bool, device=dev)
+        active[-1] = False  # the last request is in prefill: all padding
+        t0 = time.time()
+        a = build_tree(x, n, k, active=active)
+        b = build_tree_ref(x, n, k, active=active, lse=a.lse)
+        same = {f: bool(torch.equal(getattr(a, f).cpu(), getattr(b, f).cpu())) for f in a._fields}
+        lse_t = torch.logsumexp(x.float(), dim=-1)
+        inactive_ok = bool(torch.isneginf(a.lse[~active]).all())
+        lse_err = float((a.lse - lse_t)[active].abs().max()) if inactive_ok else math.inf
+        good = all(same.values()) and lse_err < 1e-4
+        log(f"[check] B={B} n={n} K={k or 'default'} V={V}: kernel==ref {all(same.values())} "
+            f"{'' if all(same.values()) else same} lse max err {lse_err:.2e}; exact "
+            f"{a.exact.tolist()} ({time.time() - t0:.1f}s)")
+        results["checks"].append(dict(B=B, n=n, K=k, V=V, equal=same, lse_max_err=lse_err,
+                                      exact=a.exact.tolist()))
+        ok &= good
+    B = 2 if smoke else 4
+    x = drafter_logits(B, L, V, dev, 7)
+    a = build_tree(x, L, 1)
+    am = torch.argmax(x, dim=-1).to(torch.int32)
+    chain = bool(torch.equal(a.tokens, am))
+    log(f"[check] chain budget (K=1, budget=L={L}) == torch.argmax: {chain}")
+    results["checks"].append(dict(chain_equals_argmax=chain))
+    return ok and chain
+
+
+# ----------------------------------------------------------------------------
+# Benchmark
+# ----------------------------------------------------------------------------
+def bench(B, budgets, L, V, dev, l2, bw, read_bw, knobs, seed):
+    tm = timer(dev)
+    nbytes = B * L * V * 2
+    R = n_sets(nbytes, l2) if dev.type == "cuda" else 1
+    sets = [drafter_logits(B, L, V, dev, seed + r) for r in range(R)]
+    rows = []
+    floor = nbytes / bw * 1e6 if bw == bw else float("nan")
+    read_floor = nbytes / read_bw * 1e6 if read_bw == read_bw else float("nan")
+    argmax_us = tm([lambda s=s: torch.argmax(s, dim=-1) for s in sets], reps_for(floor * 2 + 10))
+    k_default = None
+    for n in budgets:
+        k = knobs.get("topk") or min(n, 8)
+        if k != k_default:
+            stage1_us = tm([lambda s=s, k=k: draft_topk(s, k, chunk=knobs.get("chunk"),
+                                                         chunk_warps=knobs.get("chunk_warps"))
+                            for s in sets], reps_for(floor * 2 + 10))
+            k_default = k
+        us = tm([lambda s=s: build_tree(s, n, knobs.get("topk"), chunk=knobs.get("chunk"),
+                                        chunk_warps=knobs.get("chunk_warps"),
+                                        tree_warps=knobs.get("tree_warps"))
+                 for s in sets], reps_for(floor * 2 + 30))
+        t = build_tree(sets[0], n, knobs.get("topk"))
+        row = dict(B=B, n=n, L=L, V=V, K=k, knobs={a: b for a, b in knobs.items() if b},
+                   sets=R, build_us=us, stage1_us=stage1_us, tree_stage_us=us - stage1_us,
+                   argmax_us=argmax_us, floor_us=floor, x_floor=us / floor,
+                   read_floor_us=read_floor, x_read_floor=us / read_floor,
+                   minus_argmax_us=us - argmax_us,
+                   exact_frac=float(t.exact.float().mean()),
+                   mean_depth=float(t.depths.float().mean()),
+                   max_depth=int(t.depths.max()))
+        rows.append(row)
+        log(f"[bench] {json.dumps({a: (round(b, 2) if isinstance(b, float) else b) for a, b in row.items()})}")
+    del sets
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="CPU + Triton interpreter, tiny sizes")
+    ap.add_argument("--batch", type=int, nargs="*", default=None)
+    ap.add_argument("--budget", type=int, nargs="*", default=None)
+    ap.add_argument("--depth", type=int, default=None)
+    ap.add_argument("--vocab", type=int, default=None)
+    ap.add_argument("--no-sweep", action="store_true", help="skip the tuning-knob sweep")
+    ap.add_argument("--skip-checks", action="store_true")
+    ap.add_argument("--time-budget", type=float, default=150.0,
+                    help="seconds after which the remaining sweep entries are skipped")
+    ap.add_argument("--out", default=None, help="JSON path (default $OUT/bench_build_tree.json)")
+    args = ap.parse_args()
+
+    smoke = args.smoke
+    t_start = time.time()
+    dev = torch.device("cpu" if smoke else "cuda")
+    batch = args.batch or ([2] if smoke else [1, 8, 64, 256])
+    budgets = args.budget or ([8] if smoke else [16, 64, 256])
+    L = args.depth or (4 if smoke else 16)
+    V = args.vocab or (300 if smoke else 151936)
+    import triton
+
+    results = dict(torch=torch.__version__, triton=triton.__version__, smoke=smoke,
+                   date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), checks=[], rows=[], sweep=[])
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        l2 = getattr(props, "L2_cache_size", 60 * 2**20) or 60 * 2**20
+        results.update(device=props.name, sms=props.multi_processor_count, l2_bytes=l2)
+    else:
+        l2 = 0
+        results.update(device="cpu (Triton interpreter)", sms=0, l2_bytes=0)
+    log(f"device {results['device']}, torch {torch.__version__}, triton {triton.__version__}")
+    copy_bw, read_bw = measure_bw(dev)
+    results.update(copy_bw=copy_bw, read_bw=read_bw)
+    log(f"bandwidth: copy {copy_bw / 1e12:.2f} TB/s (read+write), bf16 read {read_bw / 1e12:.2f} TB/s")
+
+    ok = True
+    if not args.skip_checks:
+        try:
+            ok = correctness(dev, L, V, results, smoke)
+        except Exception:  # noqa: BLE001
+            log("[check] FAILED:\n" + traceback.format_exc())
+            results["checks"].append(dict(error=traceback.format_exc()))
+            ok = False
+    for i, B in enumerate(batch):
+        t0 = time.time()
+        try:
+            results["rows"] += bench(B, budgets, L, V, dev, l2, copy_bw, read_bw, {}, 1000 * i)
+        except Exception:  # noqa: BLE001
+            results["rows"].append(dict(B=B, error=traceback.format_exc()[-2000:]))
+            log(results["rows"][-1]["error"])
+            ok = False
+        log(f"[bench] B={B} done ({time.time() - t0:.1f}s)")
+    if not args.no_sweep:
+        sweep = ([(8, [64, 256], dict(tree_warps=w)) for w in (1, 2, 4, 8)]
+                 + [(b, [64], dict(chunk=c, chunk_warps=w)) for b in (1, 64, 256)
+                    for c, w in ((2048, None), (4096, 2), (8192, None), (8192, 4), (16384, None))]
+                 + [(b, [64], dict(topk=16)) for b in (1, 64)]
+                 + [(b, [256], dict(topk=256)) for b in (1, 8)])
+        if smoke:
+            sweep = [(1, [16], dict(tree_warps=2, chunk=256, topk=16))]
+        for B, bud, knobs in sweep:
+            if time.time() - t_start > args.time_budget:
+                log(f"[sweep] time budget {args.time_budget:.0f}s spent: skipping B={B} {knobs}")
+                results["sweep_skipped"] = results.get("sweep_skipped", 0) + 1
+                continue
+            try:
+                results["sweep"] += bench(B, bud, L, V, dev, l2, copy_bw, read_bw, knobs, 7)
+            except Exception:  # noqa: BLE001
+                results["sweep"].append(dict(B=B, knobs=knobs, error=traceback.format_exc()[-2000:]))
+                log(results["sweep"][-1]["error"])
+                ok = False
+    results["elapsed_s"] = time.time() - t_start
+    out = args.out or (os.path.join(os.environ["OUT"], "bench_build_tree.json") if os.environ.get("OUT")
+                       else None)
+    if out:
+        pathlib.Path(out).write_text(json.dumps(results, indent=1))
+        log(f"wrote {out}")
+    print_table(results)
+    log(f"elapsed {results['elapsed_s']:.0f}s")
+    log("CHECKS " + ("PASSED" if ok else "FAILED"))
+    return 0 if ok else 1
+
+
+def _f(v, w=7, p=1):
+    return f"{v:{w}.{p}f}" if isinstance(v, (int, float)) and v == v else f"{'-':>{w}}"
+
+
+def print_table(res):
+    log("\n" + "=" * 118)
+    log(f"{res['device']} | torch {res['torch']} | triton {res['triton']} | copy "
+        f"{res['copy_bw'] / 1e12:.2f} TB/s, read {res['read_bw'] / 1e12:.2f} TB/s | {res['date']}")
+    log("µs, CUDA-graph replay median; floor = B*L*V*2 B / copy bandwidth (x = build / floor; "
+        "xR: same with the bf16 read bandwidth); stage1 = top-K + lse (one read of the logits); "
+        "tree = build - stage1; -argmax = build - torch.argmax")
+    log(f"{'B':>4} {'n':>4} {'K':>4} | {'build':>8} {'stage1':>8} {'tree':>7} | {'argmax':>8} "
+        f"{'floor':>8} {'x':>5} {'xR':>5} {'-argmax':>8} | {'exact':>5} {'depth':>5} | knobs")
+    for r in res["rows"] + res["sweep"]:
+        if "error" in r:
+            log(f"{r['B']:>4} ERROR {r.get('knobs', '')}")
+            continue
+        log(f"{r['B']:>4} {r['n']:>4} {r['K']:>4} | {_f(r['build_us'], 8)} {_f(r['stage1_us'], 8)} "
+            f"{_f(r['tree_stage_us'], 7)} | {_f(r['argmax_us'], 8)} {_f(r['floor_us'], 8)} "
+            f"{_f(r['x_floor'], 5, 2)} {_f(r['x_read_floor'], 5, 2)} {_f(r['minus_argmax_us'], 8)} | "
+            f"{_f(r['exact_frac'], 5, 2)} "
+            f"{_f(r['mean_depth'], 5, 1)} | {r['knobs'] or ''}")
+    log("=" * 118)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,474 @@
+"""Triton kernels and host wrapper for the DDTree tree builder (paper Algorithm 1).
+
+``build_tree(draft_logits [B, L, V], budget)`` turns the drafter's per-position logits into a
+batch of draft trees of ``budget`` nodes each, entirely on the device (three launches, static
+grids, no host synchronisation: CUDA-graph capturable). The contract is the reference's
+(``kernels/tree_reference.py``, ``docs/tree-builder.md``); the kernels reproduce it bit for bit
+given the same per-row logsumexp.
+
+Kernels:
+
+* ``_chunk_kernel`` -- grid (B*L, cdiv(V, CHUNK)). Reads one vocab chunk of one row once:
+  online logsumexp partials (max, sum of exp) and the chunk's exact top-KP entries. The top-KP
+  are found without sorting the chunk: t = the smallest of KP column maxima is a lower bound of
+  the chunk's KP-th largest value (KP distinct columns each hold a value >= t), so only entries
+  >= t are candidates (about KP*ln(KP) of them for noise-like logits). They are compacted with a
+  prefix sum into a small per-program scratch and reduced with ``tl.topk`` on packed keys (value,
+  then lower id: int32 for bf16/fp16 logits, int64 for fp32), in batches of CAPT - KP candidates
+  (one batch unless many exact ties).
+* ``_merge_kernel`` -- grid (B*L,). Merges the chunks' (max, sum) into the row's logsumexp and
+  their top-KP lists into the row's sorted top-KP (token ids and logprobs = logit - lse).
+* ``_tree_kernel`` -- grid (B,). Best-first expansion in registers: the frontier holds at most
+  one candidate per emitted node (that node's next unexpanded child), as a vector of packed int64
+  keys ordered exactly like the reference heap (σ, then lower depth, lower rank, lower parent),
+  so each pop is one max-reduction; the pop writes the node and updates two frontier slots
+  (the parent's next sibling, the new node's first child). Then padding, the ``exact``
+  certificate and the ancestor bit rows.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .tree_reference import DraftTree, check_build_args
+
+DEFAULT_CHUNK = 4096  # 4 warps, 96 registers: 5 programs per SM on sm_90
+MAX_MERGE = 16384  # keys one _merge_kernel program sorts (16 warps; 128 KiB of shared memory)
+
+# NOTE: module constants must be tl.constexpr instances for the compiler.
+SENT = tl.constexpr(-9223372036854775808)  # below every key
+SENT32 = tl.constexpr(-2147483648)  # below every 32-bit key
+LOG2E = tl.constexpr(1.4426950408889634)
+ORD_NEG_INF = tl.constexpr(-2139095041)  # _ord(-inf)
+# tree-key low bits: (63 - depth) << 21 | (1023 - rank) << 11 | (2047 - parent)
+LOW_MASK = tl.constexpr(134217727)  # 2**27 - 1
+
+
+@triton.jit
+def _ord(x):
+    """float32 -> int32 with the same order (for non-NaN x)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+
+@triton.jit
+def _unord(o):
+    bits = tl.where(o >= 0, o, o ^ 0x7FFFFFFF)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _vkey(x, gid):
+    """Packed (value desc, id asc) key of vocab entries: larger key = earlier rank."""
+    x = tl.where(x == 0, 0.0, x)  # -0.0 ranks like +0.0
+    return (_ord(x).to(tl.int64) << 32) + (2147483647 - gid).to(tl.int64)
+
+
+@triton.jit
+def _unvkey(k):
+    v = _unord((k >> 32).to(tl.int32))
+    gid = 2147483647 - k.to(tl.int32)  # low 32 bits
+    return v, gid
+
+
+@triton.jit
+def _tkey(sig, depth, rank, parent):
+    """Packed tree-candidate key: larger σ, then lower depth, lower rank, lower parent first."""
+    sig = tl.where(sig == 0, 0.0, sig)
+    low = ((63 - depth) << 21) + ((1023 - rank) << 11) + (2047 - parent)
+    return (_ord(sig).to(tl.int64) << 32) + low.to(tl.int64)
+
+
+@triton.jit
+def _bit(idx, w):
+    """[R, NWP] int32 rows with bit idx % 32 set in word idx // 32."""
+    return tl.where(w[None, :] == (idx >> 5)[:, None], (1 << (idx & 31))[:, None], 0)
+
+
+@triton.jit
+def _stage_candidates(cand, li, sbase, q0, CB: tl.constexpr):
+    """Store the offsets li of candidates number q0..q0+CB-1 (counted in id order) into the
+    batch scratch; returns the number of candidates."""
+    c32 = cand.to(tl.int32)
+    pos = tl.cumsum(c32, axis=0) - 1 - q0
+    tl.store(sbase + pos, li, mask=cand & (pos >= 0) & (pos < CB))
+    return tl.sum(c32, axis=0)
+
+
+@triton.jit
+def _key32(y, li, DT16: tl.constexpr):
+    """16-bit inputs: packed (value desc, local offset asc) int32 key. y holds float32 values
+    exactly representable in DT16 (bf16/fp16 logits), li < 65536."""
+    y = tl.where(y == 0, 0.0, y)
+    h = y.to(DT16).to(tl.int16, bitcast=True).to(tl.int32)
+    o = tl.where(h >= 0, h, h ^ 0x7FFF)
+    return (o << 16) + (65535 - li)
+
+
+@triton.jit
+def _unkey32(k, DT16: tl.constexpr):
+    o = k >> 16
+    h = tl.where(o >= 0, o, o ^ 0x7FFF)
+    v = h.to(tl.int16).to(DT16, bitcast=True).to(tl.float32)
+    return v, 65535 - (k & 65535)
+
+
+@triton.jit
+def _reduce_batch(base, start, sbase, kbase, q0, cnt, KP: tl.constexpr, CAPT: tl.constexpr,
+                  KEY32: tl.constexpr):
+    """Running top-KP keys (kbase) := top-KP of (running list, staged candidates).
+
+    With 16-bit logits the selection runs on int32 keys (value, offset in the chunk): half the
+    work of int64 keys in the bitonic network; the list is stored as int64 (value, global id)."""
+    tl.debug_barrier()  # the staged offsets are visible to every lane
+    lane = tl.arange(0, CAPT)
+    bl = lane - KP
+    bm = (lane >= KP) & (bl + q0 < cnt)
+    ci = tl.load(sbase + bl, mask=bm, other=0)
+    y = tl.load(base + start + ci, mask=bm, other=float("-inf")).to(tl.float32)
+    y = tl.where(y < float("inf"), y, float("-inf"))
+    rk = tl.load(kbase + lane, mask=(lane < KP) & (q0 > 0), other=SENT)
+    if KEY32:
+        DT16: tl.constexpr = base.dtype.element_ty
+        rv, rid = _unvkey(rk)
+        rk32 = tl.where(rk > SENT, _key32(rv, rid - start, DT16), SENT32)
+        kb32 = tl.where(bm, _key32(y, ci, DT16), SENT32)
+        top32 = tl.topk(tl.where(lane < KP, rk32, kb32), KP)
+        tv, tli = _unkey32(top32, DT16)
+        top = tl.where(top32 > SENT32, _vkey(tv, start + tli), SENT)
+    else:
+        kb = tl.where(bm, _vkey(y, start + ci), SENT)
+        top = tl.topk(tl.where(lane < KP, rk, kb), KP)
+    tl.debug_barrier()  # every lane has read the running list before it is replaced
+    tl.store(kbase + tl.arange(0, KP), top)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _chunk_kernel(
+    logits_ptr,  # [B, L, V] bf16/fp16/fp32, stride(2) == 1
+    active_ptr,  # [B] bool or None
+    part_key_ptr,  # [B*L*NCH, KP] int64: the chunk's top-KP keys, descending
+    part_m_ptr,  # [B*L*NCH] float32: chunk max
+    part_s_ptr,  # [B*L*NCH] float32: sum exp(x - max)
+    idx_scr_ptr,  # [B*L*NCH, CAPT - KP] int32 scratch: candidate offsets
+    L,
+    V,
+    stride_b,
+    stride_l,
+    NCH,
+    CHUNK: tl.constexpr,
+    KP: tl.constexpr,
+    CAPT: tl.constexpr,
+    SUB: tl.constexpr,
+    HAS_ACTIVE: tl.constexpr,
+    KEY32: tl.constexpr,
+):
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    b = row // L
+    l_ = row - b * L
+    if HAS_ACTIVE:
+        run = tl.load(active_ptr + b) != 0
+    else:
+        run = row >= 0
+    if run:
+        CB: tl.constexpr = CAPT - KP
+        base = logits_ptr + b.to(tl.int64) * stride_b + l_.to(tl.int64) * stride_l
+        start = c * CHUNK
+        li = tl.arange(0, CHUNK)
+        valid = start + li < V
+        x = tl.load(base + start + li, mask=valid, other=float("-inf")).to(tl.float32)
+        x = tl.where(x < float("inf"), x, float("-inf"))  # NaN and +inf -> -inf
+        m = tl.max(x, axis=0)
+        # exp(x - m) as one FMA + ex2: 2**(x*log2(e) - m*log2(e))
+        s = tl.sum(tl.where(x > float("-inf"), tl.exp2(x * LOG2E - m * LOG2E), 0.0), axis=0)
+        # KP column maxima each hold a distinct value >= t: the chunk's top-KP are all >= t.
+        t = tl.min(tl.max(tl.reshape(x, [CHUNK // KP, KP]), axis=0), axis=0)
+        pid = row.to(tl.int64) * NCH + c
+        kbase = part_key_ptr + pid * KP
+        sbase = idx_scr_ptr + pid * CB
+        # first batch: candidates 0..CB-1 (nothing but scalars stays live past it)
+        cnt = _stage_candidates(valid & (x >= t), li, sbase, c * 0, CB)
+        _reduce_batch(base, start, sbase, kbase, cnt * 0, cnt, KP, CAPT, KEY32)
+        # more candidates than one batch (many exact ties): re-read the chunk per batch, in
+        # small tiles so that this rare path keeps the register footprint of the common one
+        q0 = cnt * 0 + CB
+        while q0 < cnt:
+            seen = cnt * 0
+            for s0 in range(0, CHUNK, SUB):
+                lj = s0 + tl.arange(0, SUB)
+                vj = start + lj < V
+                y = tl.load(base + start + lj, mask=vj, other=float("-inf")).to(tl.float32)
+                cj = vj & (y < float("inf")) & (y >= t)
+                seen += _stage_candidates(cj, lj, sbase, q0 - seen, CB)
+            _reduce_batch(base, start, sbase, kbase, q0, cnt, KP, CAPT, KEY32)
+            q0 += CB
+        tl.store(part_m_ptr + pid, m)
+        tl.store(part_s_ptr + pid, s)
+
+
+@triton.jit
+def _merge_kernel(
+    part_key_ptr,
+    part_m_ptr,
+    part_s_ptr,
+    active_ptr,
+    top_lp_ptr,  # [B, L, KP] float32: logprobs, descending
+    top_id_ptr,  # [B, L, KP] int32: their ids (-1 past V)
+    lse_ptr,  # [B, L] float32
+    L,
+    V,
+    NCH,
+    NCHP: tl.constexpr,
+    KP: tl.constexpr,
+    HAS_ACTIVE: tl.constexpr,
+):
+    row = tl.program_id(0)
+    b = row // L
+    if HAS_ACTIVE:
+        run = tl.load(active_ptr + b) != 0
+    else:
+        run = row >= 0
+    kl = tl.arange(0, KP)
+    lp = tl.full([KP], float("-inf"), tl.float32)
+    ids = tl.full([KP], -1, tl.int32)
+    lse = (row * 0).to(tl.float32) - float("inf")
+    if run:
+        ci = tl.arange(0, NCHP)
+        cm = ci < NCH
+        pb = row.to(tl.int64) * NCH
+        m = tl.load(part_m_ptr + pb + ci, mask=cm, other=float("-inf"))
+        s = tl.load(part_s_ptr + pb + ci, mask=cm, other=0.0)
+        mx = tl.max(m, axis=0)
+        tot = tl.sum(tl.where(m > float("-inf"), s * tl.exp(m - mx), 0.0), axis=0)
+        lse = tl.where(mx > float("-inf"), mx + tl.log(tot), float("-inf"))
+        keys = tl.load(part_key_ptr + (pb + ci[:, None]) * KP + kl[None, :], mask=cm[:, None],
+                       other=SENT)
+        top = tl.topk(tl.reshape(keys, [NCHP * KP]), KP)
+        v, tid = _unvkey(top)
+        real = (top > SENT) & (tid < V)
+        lp = tl.where(real & (v > float("-inf")), v - lse, float("-inf"))
+        lp = tl.where(mx > float("-inf"), lp, float("-inf"))
+        ids = tl.where(real, tid, -1)
+    ob = row.to(tl.int64) * KP
+    tl.store(top_lp_ptr + ob + kl, lp)
+    tl.store(top_id_ptr + ob + kl, ids)
+    tl.store(lse_ptr + row, lse)
+
+
+@triton.jit
+def _tree_kernel(
+    top_lp_ptr,  # [B, L, KP] float32
+    top_id_ptr,  # [B, L, KP] int32
+    active_ptr,  # [B] bool or None
+    tok_ptr,  # [B, budget] int32
+    par_ptr,  # [B, budget] int32
+    dep_ptr,  # [B, budget] int32
+    score_ptr,  # [B, budget] float32
+    mask_ptr,  # [B, budget + 1, NW] int32 or None
+    exact_ptr,  # [B] bool
+    L,
+    K,
+    budget,
+    NW,
+    KP: tl.constexpr,
+    NP: tl.constexpr,
+    NWP: tl.constexpr,
+    RB: tl.constexpr,
+    HAS_ACTIVE: tl.constexpr,
+    WRITE_MASK: tl.constexpr,
+):
+    b = tl.program_id(0)
+    tb = b.to(tl.int64) * L * KP
+    ob = b.to(tl.int64) * budget
+    slot = tl.arange(0, NP)  # frontier slot = index of the node whose next child it holds
+    if HAS_ACTIVE:
+        act = tl.load(active_ptr + b) != 0
+    else:
+        act = b >= 0
+    lp00 = tl.load(top_lp_ptr + tb)
+    count = b * 0
+    F = tl.where((slot == 0) & act, _tkey(lp00, count + 1, count, count), SENT)
+    PS = tl.zeros([NP], dtype=tl.float32)  # σ of emitted nodes (root: 0)
+    npar = tl.zeros([NP], dtype=tl.int32)
+    zero_f = count.to(tl.float32)
+    last = zero_f - float("inf")
+    go = act & (budget > 0)
+    while go:
+        kmax = tl.max(F, axis=0)
+        hi = (kmax >> 32).to(tl.int32)
+        ok = hi > ORD_NEG_INF  # σ > -inf (and not the empty sentinel)
+        sig = _unord(hi)
+        lo = kmax.to(tl.int32) & LOW_MASK
+        p = 2047 - (lo & 2047)
+        r = 1023 - ((lo >> 11) & 1023)
+        d = 63 - ((lo >> 21) & 63)
+        j = count + 1
+        has_sib = ok & (r + 1 < K)
+        has_child = ok & (d < L)
+        trow = tb + (d - 1).to(tl.int64) * KP
+        lp_sib = tl.load(top_lp_ptr + trow + r + 1, mask=has_sib, other=float("-inf"))
+        lp_ch = tl.load(top_lp_ptr + trow + KP, mask=has_child, other=float("-inf"))
+        tok = tl.load(top_id_ptr + trow + r, mask=ok, other=-1)
+        # the parent's next sibling replaces the popped candidate in slot p (σ(p) + lp, fp32)
+        sib = _tkey(PS + lp_sib, d, r + 1, slot)
+        F = tl.where(slot == p, tl.where(has_sib, sib, SENT), F)
+        F = tl.where((slot == j) & has_child, _tkey(sig + lp_ch, d + 1, 0, j), F)
+        PS = tl.where(slot == j, sig, PS)
+        npar = tl.where((slot == j) & ok, p, npar)
+        tl.store(tok_ptr + ob + count, tok, mask=ok)
+        tl.store(par_ptr + ob + count, p, mask=ok)
+        tl.store(dep_ptr + ob + count, d, mask=ok)
+        tl.store(score_ptr + ob + count, sig, mask=ok)
+        last = tl.where(ok, sig, last)
+        count = tl.where(ok, j, count)
+        go = ok & (count < budget)
+
+    # padding: nodes count+1..budget
+    pad = (slot >= count) & (slot < budget)
+    tl.store(tok_ptr + ob + slot, tl.full([NP], -1, tl.int32), mask=pad)
+    tl.store(par_ptr + ob + slot, tl.zeros([NP], tl.int32), mask=pad)
+    tl.store(dep_ptr + ob + slot, tl.full([NP], 1, tl.int32), mask=pad)
+    tl.store(score_ptr + ob + slot, tl.full([NP], float("-inf"), tl.float32), mask=pad)
+
+    # exact: no node of rank >= K can beat node `budget` (σ = tau)
+    tau = tl.where(count == budget, last, float("-inf"))
+    allok = act | (act == 0)
+    P = zero_f
+    for dd in range(0, L):
+        lk = tl.load(top_lp_ptr + tb + dd * KP + K)
+        allok = allok & ((lk == float("-inf")) | (P == float("-inf")) | (P + lk < tau))
+        P = P + tl.load(top_lp_ptr + tb + dd * KP)
+    ex = allok | (K >= budget) | (act == 0)
+    tl.store(exact_ptr + b, ex)
+
+    if WRITE_MASK:
+        tl.debug_barrier()  # the parents stored above are visible to every lane
+        w = tl.arange(0, NWP)
+        mb = b.to(tl.int64) * (budget + 1) * NW
+        for r0 in range(0, budget + 1, RB):
+            rows = r0 + tl.arange(0, RB)
+            live = rows <= budget
+            bits = _bit(rows, w) | _bit(rows * 0, w)
+            cur = rows
+            for _t in range(0, L):
+                cur = tl.load(par_ptr + ob + cur - 1, mask=live & (cur > 0), other=0)
+                bits = bits | _bit(cur, w)
+            tl.store(mask_ptr + mb + rows[:, None] * NW + w[None, :], bits,
+                     mask=live[:, None] & (w[None, :] < NW))
+
+
+def _next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+
+
+def draft_topk(
+    draft_logits: torch.Tensor,
+    topk: int,
+    *,
+    active: Optional[torch.Tensor] = None,
+    chunk: Optional[int] = None,
+    chunk_warps: Optional[int] = None,
+):
+    """Stage 1 of ``build_tree`` alone: per-row logsumexp and top-(K+1), one read of the logits.
+
+    Returns ``(lse [B, L] float32, logprobs [B, L, KP] float32, ids [B, L, KP] int32)`` with
+    KP = next_pow2(K + 1) >= K + 1 sorted columns (logprob descending, ties to the lower id;
+    -inf / -1 past V; -inf / -1 / lse -inf for inactive requests).
+    """
+    B, L, V, _, K = check_build_args(draft_logits, 1, topk, active)
+    dev = draft_logits.device
+    KP = _next_pow2(K + 1)  # one more rank than K, for the `exact` certificate
+    if chunk:
+        CH = int(chunk)
+    else:  # the merge sorts next_pow2(#chunks) * KP keys in one program: keep that <= MAX_MERGE
+        CH = min(DEFAULT_CHUNK, max(_next_pow2(V), 2 * KP))
+        while _next_pow2(triton.cdiv(V, CH)) * KP > MAX_MERGE:
+            CH *= 2
+    if CH & (CH - 1) or CH < 2 * KP or _next_pow2(triton.cdiv(V, CH)) * KP > MAX_MERGE:
+        raise ValueError(f"build_tree: argument `chunk` must be a power of two >= {2 * KP} with "
+                         f"next_pow2(ceil(V / chunk)) * {KP} <= {MAX_MERGE}, got {chunk!r}")
+    NCH = triton.cdiv(V, CH)
+    CAPT = max(128, min(8 * KP, 4096))  # candidates per batch: CAPT - KP (about KP*ln(KP) expected)
+    f32 = torch.float32
+    lse = torch.empty((B, L), dtype=f32, device=dev)
+    top_lp = torch.empty((B, L, KP), dtype=f32, device=dev)
+    top_id = torch.empty((B, L, KP), dtype=torch.int32, device=dev)
+    rows = B * L
+    if rows == 0:
+        return lse, top_lp, top_id
+    part_key = torch.empty((rows * NCH * KP,), dtype=torch.int64, device=dev)
+    part_m = torch.empty((rows * NCH,), dtype=f32, device=dev)
+    part_s = torch.empty((rows * NCH,), dtype=f32, device=dev)
+    idx_scr = torch.empty((rows * NCH * (CAPT - KP),), dtype=torch.int32, device=dev)
+    has_active = active is not None
+    _chunk_kernel[(rows, NCH)](
+        draft_logits, active, part_key, part_m, part_s, idx_scr,
+        L, V, draft_logits.stride(0), draft_logits.stride(1), NCH,
+        CHUNK=CH, KP=KP, CAPT=CAPT, SUB=min(CH, 1024), HAS_ACTIVE=has_active,
+        KEY32=draft_logits.element_size() == 2 and CH <= 65536,
+        num_warps=chunk_warps or max(4, min(16, CH // 1024)),
+    )
+    _merge_kernel[(rows,)](
+        part_key, part_m, part_s, active, top_lp, top_id, lse, L, V, NCH,
+        NCHP=_next_pow2(NCH), KP=KP, HAS_ACTIVE=has_active,
+        num_warps=max(4, min(16, _next_pow2(NCH) * KP // 512)),
+    )
+    return lse, top_lp, top_id
+
+
+def build_tree(
+    draft_logits: torch.Tensor,
+    budget: int,
+    topk: Optional[int] = None,
+    *,
+    active: Optional[torch.Tensor] = None,
+    ancestor_mask: bool = True,
+    chunk: Optional[int] = None,
+    chunk_warps: Optional[int] = None,
+    tree_warps: Optional[int] = None,
+    mask_block: Optional[int] = None,
+) -> DraftTree:
+    """Build one DDTree draft tree per request from the drafter's logits; see ``docs/tree-builder.md``.
+
+    ``draft_logits`` [B, L, V] (bf16/fp16/fp32, stride(2) == 1; B and L may be strided),
+    ``budget`` n nodes per request, ``topk`` K per depth (default ``min(budget, 8)``),
+    ``active`` bool [B] (False: the request gets an all-padding tree, e.g. in prefill; pass the
+    static max_num_reqs batch with the unused rows False), ``ancestor_mask`` (compute the bit
+    rows). Returns a :class:`DraftTree`; three launches, no host synchronisation, static shapes.
+    Tuning (results do not depend on them): ``chunk`` (vocab entries per stage-1 program, a
+    power of two >= 2*next_pow2(K+1)), ``chunk_warps``, ``tree_warps``, ``mask_block`` (ancestor
+    rows per step, a power of two).
+    """
+    B, L, V, n, K = check_build_args(draft_logits, budget, topk, active)
+    lse, top_lp, top_id = draft_topk(draft_logits, K, active=active, chunk=chunk,
+                                     chunk_warps=chunk_warps)
+    KP = top_lp.shape[-1]
+    dev = draft_logits.device
+    NW = (n + 1 + 31) // 32
+    i32 = torch.int32
+    tokens = torch.empty((B, n), dtype=i32, device=dev)
+    parents = torch.empty((B, n), dtype=i32, device=dev)
+    depths = torch.empty((B, n), dtype=i32, device=dev)
+    scores = torch.empty((B, n), dtype=torch.float32, device=dev)
+    exact = torch.empty((B,), dtype=torch.bool, device=dev)
+    mask = torch.empty((B, n + 1, NW), dtype=i32, device=dev) if ancestor_mask else None
+    if B:
+        NP = max(16, _next_pow2(n + 1))
+        NWP = max(1, _next_pow2(NW))
+        RB = int(mask_block) if mask_block else max(1, min(NP, 4096 // NWP))
+        if RB & (RB - 1):
+            raise ValueError(f"build_tree: argument `mask_block` must be a power of two, got {mask_block!r}")
+        _tree_kernel[(B,)](
+            top_lp, top_id, active, tokens, parents, depths, scores, mask, exact,
+            L, K, n, NW,
+            KP=KP, NP=NP, NWP=NWP, RB=RB, HAS_ACTIVE=active is not None, WRITE_MASK=ancestor_mask,
+            num_warps=tree_warps or (1 if NP <= 128 else 4),
+        )
+    return DraftTree(tokens, parents, depths, scores, mask, exact, lse, top_lp[..., :K],
+                     top_id[..., :K])
