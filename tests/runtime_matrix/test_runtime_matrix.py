@@ -26,14 +26,11 @@ def releases() -> list[str]:
     return sel.split(",") if sel else list(harness.BOUNDARY)
 
 
-# Checks that fail on today's patches, by release: each one is a defect of issue 10 that another
-# change fixes. A listed check that passes fails this test (remove it from here then).
-KNOWN = {
-    **{(v, "engine.patched_nospec"): "issue 10 defect 1: V1 create_attn_groups unpacks the 3-field AttentionGroupKey"
-       for v in ("0.20.0", "0.20.1", "0.20.2", "0.21.0", "0.22.0", "0.22.1")},
-    **{(v, "P2.lookahead"): "issue 10 defect 2: no lookahead blocks at the first prefill (0.20-0.22 back-port)"
-       for v in ("0.20.0", "0.20.1", "0.20.2", "0.21.0", "0.22.0", "0.22.1")},
-}
+# Checks expected to fail, by (release, check), each with the defect that explains it. A listed
+# check that passes fails the test (remove it then). Empty since issue 10's defects 1-2 were fixed
+# (before: 0.20.0-0.22.1 engine.patched_nospec, defect 1; P2.lookahead, defect 2).
+KNOWN: dict[tuple[str, str], str] = {}
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("version", releases())
