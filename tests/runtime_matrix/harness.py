@@ -398,8 +398,9 @@ def evaluate(rec: dict) -> dict:
         v2p, v2a = _cell(rec, "pristine", "dflash-v2"), _cell(rec, "patched", "dflash-v2")
         if not _planned(rec, "pristine", "dflash-v2"):
             ch["engine.v2"] = "n/a: not in this tier"
-        elif v2p.get("ok") or v2a.get("ok"):
+        elif v2p.get("ok") or v2a.get("ok"):  # (the 0.33.0 hybrid: the official Python enables Triton)
             ch["engine.v2"] = _engine(v2a, nospec)
+            rec["v2"] = {"available": True, "unpatched": _engine(v2p, nospec), "patched": ch["engine.v2"]}
         else:
             ch["engine.v2"] = "n/a: V2 does not start on this CPU build"
             rec["v2"] = {"available": False, "reason": " ".join((v2p.get("error") or "").split())[:300]}
@@ -417,8 +418,10 @@ def evaluate(rec: dict) -> dict:
                           else f"DFlash blocks {la}, 0.33.0: {P2_0_33}")
     m, mp = p2.get("methods") or {}, p2p.get("methods") or {}
     d, e = m.get("dflash", {}), m.get("eagle3", {})
+    # DFlash hits every cached block and its manager does not drop (0.33.0); EAGLE-3 as the release
+    # itself decides (unchanged by the patch)
     ch["P2.block_drop"] = (True if d.get("hit_blocks") == PREFIX_BLOCKS and d.get("manager_drops") is False
-                           and e.get("hit_blocks") == PREFIX_BLOCKS - 1 and e == mp.get("eagle3")
+                           and e == mp.get("eagle3")
                            else f"dflash {d}, eagle3 {e} (pristine eagle3 {mp.get('eagle3')})")
     rec["pristine_p3"] = {tag: (_swa_signature(c) if c.get("ok") else (c.get("error") or "")[:200])
                           for tag in ("mixed-v1", "sliding-v1") if _planned(rec, "pristine", tag)
