@@ -201,10 +201,11 @@ def worker(python: str, path: list[str], the_plan: dict, log: Path, **env) -> di
 
 
 def _commit() -> str:
-    """The ddtree-patch commit whose patches ran (``+dirty`` when the checkout has changes)."""
+    """The last commit that changed what runs in vLLM (patches/, ddtree_patcher/, kernels/), with
+    ``+dirty`` when the checkout has changes there."""
     try:
-        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
+        head = subprocess.run(["git", "-C", str(REPO), "log", "-1", "--format=%h", "--", "patches", "ddtree_patcher",
+                               "kernels"], capture_output=True, text=True, check=True).stdout.strip()
         dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no", "--",
                                 "patches", "ddtree_patcher", "kernels"], capture_output=True, text=True).stdout.strip()
         return head + ("+dirty" if dirty else "")
