@@ -127,6 +127,19 @@ def overlays(dist_info: Path, python: str) -> tuple[list[str], dict]:
                 subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-cache-dir",
                                 "--disable-pip-version-check", "--target", str(dest), str(Requirement(
                                     f"{r.name}{r.specifier}"))], check=True)
+                # the overriding package's own requirements that the environment violates, one level
+                # (transformers 5.17 for 0.31.0 wants huggingface-hub < 2), into the same folder
+                info = next(d for d in dest.glob("*.dist-info") if _canon(d.name.split("-")[0]) == _canon(r.name))
+                subs = [q for q in requirements(info) if q.specifier and _canon(q.name) not in ENV_PACKAGES]
+                have_sub = json.loads(subprocess.run([python, "-c", _VERSIONS, *[q.name for q in subs]],
+                                                     capture_output=True, text=True, check=True).stdout)
+                for q in subs:
+                    v = have_sub.get(q.name)
+                    if v is not None and not q.specifier.contains(v, prereleases=True):
+                        subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-cache-dir",
+                                        "--disable-pip-version-check", "--target", str(dest),
+                                        f"{q.name}{q.specifier}"], check=True)
+                        log(f"  with {q.name}{q.specifier} (the environment has {v})")
                 (dest / ".complete").write_text(str(r))
                 log(f"installed {r.name}{r.specifier} into {dest} in {time.perf_counter() - t0:.0f} s")
         used = json.loads(subprocess.run([python, "-c", _VERSIONS, r.name], capture_output=True, text=True, check=True,
