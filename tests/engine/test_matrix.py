@@ -48,3 +48,15 @@ def test_round_trip_is_byte_exact(dist, version, make_site, cli):
         assert sha256(data) == record[rel], rel  # byte-identical to the wheel
     assert not (site / ".ddtree-patch" / "state.json").exists()
     assert set(statuses(doc).values()) <= {"pending", "upstream", "not-applicable"}
+
+
+def test_runtime_section_agrees_with_the_committed_results():
+    """docs/matrix.md's runtime-proven marks are rendered from docs/runs/runtime-matrix.json
+    (`python scripts/gen_matrix.py --runtime-only`), never typed."""
+    import matrix_doc
+
+    text = matrix_doc.DOC.read_text()
+    assert matrix_doc.RUNTIME_HEADING in text
+    assert matrix_doc.splice_runtime(text, matrix_doc.load_runtime()) == text, (
+        "docs/matrix.md's runtime section disagrees with docs/runs/runtime-matrix.json: "
+        "run `python scripts/gen_matrix.py --runtime-only`")

