@@ -6,6 +6,13 @@ executable spec. ``build_tree`` is the Triton DDTree tree builder (``kernels/bui
 ``build_tree_ref`` its heapq reference (``kernels/tree_reference.py``); both return a
 ``DraftTree``. If Triton cannot be imported, ``tree_verify`` and ``build_tree`` fall back to
 their references and ``TRITON_AVAILABLE`` is False (a warning says why).
+
+The tree-shaped target step (docs/tree-step.md): ``tree_attention`` (context + tree in one
+kernel), ``tree_attention_merge`` (the tree pass merged with a FlashAttention context pass),
+``KVCompactor`` / ``compact_kv`` (target KV moved along the accepted path), ``RowGatherer`` /
+``gather_accepted_rows`` (drafter hidden rows + linear positions), ``kv_views`` /
+``packed_kv_view`` (per-release cache layouts as views); references in
+``kernels/tree_step_reference.py`` (also used without Triton).
 """
 
 from __future__ import annotations
@@ -44,3 +51,43 @@ except Exception as exc:  # pragma: no cover - exercised only without triton
 
 __all__ = ["tree_verify", "tree_verify_ref", "build_tree", "build_tree_ref", "DraftTree",
            "unpack_ancestor_mask", "PLACEHOLDER_TOKEN_ID", "TRITON_AVAILABLE"]
+
+# ---- tree-shaped target step (issue 13) ----
+from .tree_step_reference import (  # noqa: E402
+    causal_attention_ref,
+    compact_kv_ref,
+    context_attention_ref,
+    gather_accepted_rows_ref,
+    tree_attention_ref,
+)
+
+if TRITON_AVAILABLE:
+    from .kv_compact import (  # noqa: E402,F401
+        KVCompactor,
+        RowGatherer,
+        compact_kv,
+        gather_accepted_rows,
+        kv_views,
+        packed_kv_view,
+    )
+    from .tree_attention import tree_attention, tree_attention_merge  # noqa: E402,F401
+else:  # pragma: no cover - exercised only without triton
+    def _no_triton(name):
+        def fn(*args, **kwargs):
+            raise RuntimeError(f"ddtree_patcher.kernels.{name} needs Triton, which could not be "
+                               f"imported ({TRITON_IMPORT_ERROR!r}); the PyTorch references in "
+                               "ddtree_patcher.kernels.tree_step_reference run without it")
+        return fn
+
+    tree_attention = _no_triton("tree_attention")
+    tree_attention_merge = _no_triton("tree_attention_merge")
+    compact_kv = _no_triton("compact_kv")
+    gather_accepted_rows = _no_triton("gather_accepted_rows")
+    KVCompactor = _no_triton("KVCompactor")
+    RowGatherer = _no_triton("RowGatherer")
+    kv_views = _no_triton("kv_views")
+    packed_kv_view = _no_triton("packed_kv_view")
+
+__all__ += ["tree_attention", "tree_attention_merge", "tree_attention_ref", "context_attention_ref",
+            "causal_attention_ref", "KVCompactor", "compact_kv", "compact_kv_ref", "RowGatherer",
+            "gather_accepted_rows", "gather_accepted_rows_ref", "kv_views", "packed_kv_view"]

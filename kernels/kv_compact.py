@@ -1,0 +1,303 @@
+"""KV and drafter-input compaction after a DDTree walk (issue 13; design: docs/tree-step.md).
+
+After the walk, request r accepted ``a = num_accepted[r]`` nodes; the node accepted at depth d
+is local node ``j_d = accepted_rows[r, d] - accepted_rows[r, 0]`` (TreeStep's layout: column 0
+is the root's row, -1 padded; any row numbering works, only differences are used). vLLM then
+assumes the accepted path is the first ``a + 1`` query rows of the request, so:
+
+* ``compact_kv`` / ``KVCompactor``: for every layer's K/V view, copy the KV at the slot of row
+  ``q_start + j_d`` to the slot of row ``q_start + d`` (d = 1..a; slots from the step's slot
+  mapping, PAD (-1) slots skipped);
+* ``gather_accepted_rows``: the same move on the rows of 2-D tensors (the drafter's context
+  hidden states), and optionally the positions restored to ``positions[q_start] + i``.
+
+One Triton kernel does both: grid ``(B, num_views, cdiv(H * X, CHUNK))``; a program loads the
+chunk of every accepted depth (all sources), passes a CTA barrier, then stores them (all
+destinations). Two programs never touch the same bytes (different request, view or chunk), so
+chains with ``j_d > d`` that overlap (depth d reads the slot that depth d' < j_d writes) are safe
+without a second launch. Views are reached through a table of data pointers, so one launch covers
+every layer whose views share shape, strides and element size (normally all of them); the copy
+is of raw bytes (int8/16/32/64 by element size), so fp8, bf16 and fp32 caches are moved exactly.
+No host synchronisation; static grid for a given (B, views): capturable.
+
+Views are 4-D ``(num_blocks, block_size, H, X)`` with any strides; position = slot //
+block_size, slot % block_size. ``kv_views`` makes them from each release's per-layer cache.
+Views passed to one call must not overlap in memory (exact duplicates, e.g. KV-sharing layers,
+are removed); a view that aliases another partially would be moved twice.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+_INT_BY_SIZE = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
+
+
+@triton.jit(do_not_specialize=["block_size", "W", "s_blk", "s_off", "s_h", "s_x"])
+def _move_rows_kernel(
+    ptr_table,  # int64 [num_views]: data_ptr of each view
+    slot_ptr,  # [T] int32/int64 slot mapping, or None (HAS_SLOTS=False: slot = row)
+    qsl_ptr,  # [B + 1]
+    rows_ptr,  # [>= B, W] accepted rows
+    nacc_ptr,  # [>= B] accepted depth a
+    pos_ptr,  # [T] positions or None
+    s_rows, s_blk, s_off, s_h, s_x, block_size, W,
+    X: tl.constexpr, NE: tl.constexpr, ELT: tl.constexpr, BLOCK_W: tl.constexpr,
+    CHUNK: tl.constexpr, HAS_SLOTS: tl.constexpr, HAS_POS: tl.constexpr,
+):
+    r = tl.program_id(0)
+    v = tl.program_id(1)
+    c = tl.program_id(2)
+    qs = tl.load(qsl_ptr + r).to(tl.int64)
+    a = tl.load(nacc_ptr + r)
+    rbase = rows_ptr + r.to(tl.int64) * s_rows
+    row0 = tl.load(rbase)
+    d = tl.arange(0, BLOCK_W)
+    ok = (d >= 1) & (d <= a) & (d < W)
+    jd = tl.load(rbase + d, mask=ok, other=0) - row0
+    ok = ok & (jd != d)
+    if HAS_SLOTS:
+        src = tl.load(slot_ptr + qs + jd, mask=ok, other=-1).to(tl.int64)
+        dst = tl.load(slot_ptr + qs + d, mask=ok, other=-1).to(tl.int64)
+        ok = ok & (src >= 0) & (dst >= 0)
+    else:
+        src = qs + jd
+        dst = qs + d
+    src_off = (src // block_size) * s_blk + (src % block_size) * s_off
+    dst_off = (dst // block_size) * s_blk + (dst % block_size) * s_off
+    e = c * CHUNK + tl.arange(0, CHUNK)
+    e_ok = e < NE
+    e_off = (e // X).to(tl.int64) * s_h + (e % X).to(tl.int64) * s_x
+    base = tl.load(ptr_table + v).to(tl.pointer_type(ELT))
+    m2 = ok[:, None] & e_ok[None, :]
+    vals = tl.load(base + src_off[:, None] + e_off[None, :], mask=m2, other=0)
+    tl.debug_barrier()  # every source of this chunk is read before any destination is written
+    tl.store(base + dst_off[:, None] + e_off[None, :], vals, mask=m2)
+    if HAS_POS:
+        if (v == 0) & (c == 0):
+            qlen = tl.load(qsl_ptr + r + 1).to(tl.int64) - qs
+            i = tl.arange(0, BLOCK_W)
+            pm = (i >= 1) & (i < qlen) & (i < W)
+            p0 = tl.load(pos_ptr + qs)
+            tl.store(pos_ptr + qs + i, p0 + i.to(p0.dtype), mask=pm)
+
+
+class KVCompactError(ValueError):
+    """A compaction argument is malformed (metadata checks only; never reads device data)."""
+
+
+def _err(name, msg):
+    return KVCompactError(f"kv_compact: argument `{name}` {msg}")
+
+
+def kv_views(kv_cache: torch.Tensor, layout: str, head_size: int) -> List[torch.Tensor]:
+    """Per-layer K/V views ``(num_blocks, block_size, num_kv_heads, head_size)`` of one layer's
+    cache tensor, for each layout of the integration map (no copies):
+
+    ``fa-2nbbshd``    FlashAttention <= 0.22: ``(2, nb, bs, H, D)``            -> [K, V]
+    ``fa-nb2bshd``    FlashAttention 0.23-0.25: ``(nb, 2, bs, H, D)``          -> [K, V]
+    ``fa-nbhbs2d``    FlashAttention 0.26+: logical ``(nb, H, bs, 2D)``, stored ``(nb, bs, H, 2D)``
+                      -> [K, V] (the backend's own ``transpose(1, 2).split(D, -1)``)
+    ``cpu-2nbhbsd``   CPU attention <= 0.22: ``(2, nb, H, bs, D)``             -> [K, V]
+    ``cpu-nbhbs2d``   CPU attention 0.23+: ``(nb, H, bs, 2D)`` read as ``(nb, H, 2bs, D)``
+                      chunks (all K rows of a block/head, then all V rows)  -> [K, V]
+
+    For compaction of ``fa-nbhbs2d`` prefer ``packed_kv_view`` (one view moves K and V).
+    """
+    D = head_size
+    if layout == "fa-2nbbshd":
+        if kv_cache.ndim != 5 or kv_cache.shape[0] != 2:
+            raise _err("kv_cache", f"layout {layout} wants (2, nb, bs, H, D), got {tuple(kv_cache.shape)}")
+        return [kv_cache[0], kv_cache[1]]
+    if layout == "fa-nb2bshd":
+        if kv_cache.ndim != 5 or kv_cache.shape[1] != 2:
+            raise _err("kv_cache", f"layout {layout} wants (nb, 2, bs, H, D), got {tuple(kv_cache.shape)}")
+        return [kv_cache[:, 0], kv_cache[:, 1]]
+    if layout == "fa-nbhbs2d":
+        if kv_cache.ndim != 4 or kv_cache.shape[3] != 2 * D:
+            raise _err("kv_cache", f"layout {layout} wants (nb, H, bs, 2D), got {tuple(kv_cache.shape)}")
+        k, v = kv_cache.transpose(1, 2).split(D, dim=-1)
+        return [k, v]
+    if layout == "cpu-2nbhbsd":
+        if kv_cache.ndim != 5 or kv_cache.shape[0] != 2:
+            raise _err("kv_cache", f"layout {layout} wants (2, nb, H, bs, D), got {tuple(kv_cache.shape)}")
+        return [kv_cache[0].transpose(1, 2), kv_cache[1].transpose(1, 2)]
+    if layout == "cpu-nbhbs2d":
+        if kv_cache.ndim != 4 or kv_cache.shape[3] != 2 * D:
+            raise _err("kv_cache", f"layout {layout} wants (nb, H, bs, 2D), got {tuple(kv_cache.shape)}")
+        nb, H, bs, _ = kv_cache.shape
+        k, v = kv_cache.view(nb, H, 2 * bs, D).chunk(2, dim=2)
+        return [k.transpose(1, 2), v.transpose(1, 2)]
+    raise _err("layout", f"unknown layout {layout!r}; known: fa-2nbbshd, fa-nb2bshd, fa-nbhbs2d, "
+               "cpu-2nbhbsd, cpu-nbhbs2d")
+
+
+def packed_kv_view(kv_cache: torch.Tensor) -> torch.Tensor:
+    """FlashAttention 0.26+ ``(nb, H, bs, 2D)`` cache as one ``(nb, bs, H, 2D)`` view: per token
+    and head K and V are adjacent, so compaction moves both with one view."""
+    if kv_cache.ndim != 4:
+        raise _err("kv_cache", f"wants (nb, H, bs, 2D), got {tuple(kv_cache.shape)}")
+    return kv_cache.transpose(1, 2)
+
+
+def _check_int(name, t, ndim, dev):
+    if not isinstance(t, torch.Tensor):
+        raise _err(name, f"must be a torch.Tensor, got {type(t).__name__}")
+    if t.ndim != ndim or t.dtype not in (torch.int32, torch.int64) or t.device != dev:
+        raise _err(name, f"must be a {ndim}-D int32/int64 tensor on {dev}, got "
+                   f"{tuple(t.shape)} {t.dtype} on {t.device}")
+    if t.stride(-1) != 1:
+        raise _err(name, "must be contiguous in its last dimension")
+
+
+class _Group:
+    __slots__ = ("table", "shape", "strides", "itemsize", "n")
+
+    def __init__(self, views: List[torch.Tensor]):
+        v0 = views[0]
+        self.shape = tuple(v0.shape)
+        self.strides = tuple(v0.stride())
+        self.itemsize = v0.element_size()
+        self.n = len(views)
+        self.table = torch.tensor([v.data_ptr() for v in views], dtype=torch.int64, device=v0.device)
+
+
+def _group_views(views: Sequence[torch.Tensor], what: str) -> List[_Group]:
+    if len(views) == 0:
+        return []
+    dev = views[0].device
+    seen = set()
+    groups: Dict[Tuple, List[torch.Tensor]] = {}
+    for i, v in enumerate(views):
+        if not isinstance(v, torch.Tensor) or v.ndim != 4:
+            raise _err(what, f"item {i} must be a 4-D tensor (num_blocks, block_size, H, X), got "
+                       f"{getattr(v, 'shape', type(v).__name__)}")
+        if v.device != dev:
+            raise _err(what, f"item {i} is on {v.device}, item 0 on {dev}")
+        if v.element_size() not in _INT_BY_SIZE:
+            raise _err(what, f"item {i} has element size {v.element_size()}")
+        key = (v.data_ptr(), tuple(v.shape), tuple(v.stride()), v.element_size())
+        if key in seen:  # KV-sharing layers alias one tensor: move it once
+            continue
+        seen.add(key)
+        groups.setdefault(key[1:], []).append(v)
+    return [_Group(g) for g in groups.values()]
+
+
+def _launch(group: _Group, slot_mapping, query_start_loc, accepted_rows, num_accepted, B,
+            positions, chunk, num_warps):
+    nb, bs, H, X = group.shape
+    s_blk, s_off, s_h, s_x = group.strides
+    W = accepted_rows.shape[1]
+    NE = H * X
+    CHUNK = min(chunk, triton.next_power_of_2(max(NE, 1)))
+    grid = (B, group.n, triton.cdiv(NE, CHUNK))
+    _move_rows_kernel[grid](
+        group.table, slot_mapping, query_start_loc, accepted_rows, num_accepted, positions,
+        accepted_rows.stride(0), s_blk, s_off, s_h, s_x, bs, W,
+        X=X, NE=NE, ELT=_INT_BY_SIZE[group.itemsize], BLOCK_W=triton.next_power_of_2(max(W, 2)),
+        CHUNK=CHUNK, HAS_SLOTS=slot_mapping is not None, HAS_POS=positions is not None,
+        num_warps=num_warps,
+    )
+
+
+def _check_step(query_start_loc, accepted_rows, num_accepted, num_reqs, dev):
+    _check_int("query_start_loc", query_start_loc, 1, dev)
+    _check_int("accepted_rows", accepted_rows, 2, dev)
+    _check_int("num_accepted", num_accepted, 1, dev)
+    B = query_start_loc.shape[0] - 1 if num_reqs is None else int(num_reqs)
+    if B < 0 or query_start_loc.shape[0] < B + 1:
+        raise _err("num_reqs", f"{B} needs query_start_loc of at least {B + 1} entries")
+    if accepted_rows.shape[0] < B or num_accepted.shape[0] < B:
+        raise _err("accepted_rows", f"accepted_rows {tuple(accepted_rows.shape)} / num_accepted "
+                   f"{tuple(num_accepted.shape)} have fewer than {B} rows")
+    return B
+
+
+class KVCompactor:
+    """Bound once to the target layers' K/V views (the pointer tables are built here, on the
+    host, once); each call is one launch per view group, usually one in all.
+
+    ``views``: 4-D ``(num_blocks, block_size, H, X)`` views of every target attention layer of
+    one KV-cache group (drafter layers excluded), e.g. ``kv_views(layer.kv_cache, layout, D)`` or
+    ``[packed_kv_view(layer.kv_cache)]`` per layer. The slot mapping passed to ``__call__`` must
+    be in the same block units as the views' block_size.
+    """
+
+    def __init__(self, views: Sequence[torch.Tensor], *, chunk: int = 1024, num_warps: int = 4):
+        self.groups = _group_views(list(views), "views")
+        self.device = views[0].device if len(views) else None
+        self.chunk = chunk
+        self.num_warps = num_warps
+
+    def __call__(self, slot_mapping, query_start_loc, accepted_rows, num_accepted,
+                 num_reqs: Optional[int] = None) -> None:
+        if not self.groups:
+            return
+        dev = self.device
+        _check_int("slot_mapping", slot_mapping, 1, dev)
+        B = _check_step(query_start_loc, accepted_rows, num_accepted, num_reqs, dev)
+        if B == 0:
+            return
+        for g in self.groups:
+            _launch(g, slot_mapping, query_start_loc, accepted_rows, num_accepted, B, None,
+                    self.chunk, self.num_warps)
+
+
+def compact_kv(views: Sequence[torch.Tensor], slot_mapping, query_start_loc, accepted_rows,
+               num_accepted, num_reqs: Optional[int] = None, *, chunk: int = 1024,
+               num_warps: int = 4) -> None:
+    """One-shot ``KVCompactor(views)(slot_mapping, ...)`` (builds the pointer table each call:
+    a small host-to-device copy; bind a ``KVCompactor`` once on a hot path)."""
+    KVCompactor(views, chunk=chunk, num_warps=num_warps)(
+        slot_mapping, query_start_loc, accepted_rows, num_accepted, num_reqs)
+
+
+class RowGatherer:
+    """Bound once to the drafter's context tensors (2-D ``[T, hidden]`` with unit inner stride,
+    e.g. the DFlash aux hidden states); ``__call__`` moves row ``q_start + j_d`` to
+    ``q_start + d`` (d = 1..a) in each, and, with ``positions``, restores
+    ``positions[q_start + i] = positions[q_start] + i`` for ``i < min(q_len, W)``."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], *, chunk: int = 1024, num_warps: int = 4):
+        views = []
+        for i, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor) or t.ndim != 2:
+                raise _err("tensors", f"item {i} must be a 2-D [rows, hidden] tensor")
+            views.append(t.as_strided((t.shape[0], 1, 1, t.shape[1]),
+                                      (t.stride(0), t.stride(0), t.shape[1] * t.stride(1),
+                                       t.stride(1))))
+        self.groups = _group_views(views, "tensors")
+        self.device = tensors[0].device if len(tensors) else None
+        self.chunk = chunk
+        self.num_warps = num_warps
+
+    def __call__(self, query_start_loc, accepted_rows, num_accepted, positions=None,
+                 num_reqs: Optional[int] = None) -> None:
+        dev = self.device if self.device is not None else query_start_loc.device
+        B = _check_step(query_start_loc, accepted_rows, num_accepted, num_reqs, dev)
+        if positions is not None:
+            _check_int("positions", positions, 1, dev)
+        if B == 0:
+            return
+        if not self.groups:
+            if positions is not None:
+                g = _Group([positions.as_strided((positions.shape[0], 1, 1, 1), (1, 1, 1, 1))])
+                _launch(g, None, query_start_loc, accepted_rows, num_accepted.new_zeros(B), B,
+                        positions, self.chunk, self.num_warps)
+            return
+        for i, g in enumerate(self.groups):
+            _launch(g, None, query_start_loc, accepted_rows, num_accepted, B,
+                    positions if i == 0 else None, self.chunk, self.num_warps)
+
+
+def gather_accepted_rows(tensors: Sequence[torch.Tensor], query_start_loc, accepted_rows,
+                         num_accepted, positions=None, num_reqs: Optional[int] = None, *,
+                         chunk: int = 1024, num_warps: int = 4) -> None:
+    """One-shot ``RowGatherer(tensors)(query_start_loc, accepted_rows, num_accepted, positions)``."""
+    RowGatherer(tensors, chunk=chunk, num_warps=num_warps)(
+        query_start_loc, accepted_rows, num_accepted, positions, num_reqs)

@@ -1,0 +1,305 @@
+"""Ancestor-only attention for the DDTree target step (issue 13; design: docs/tree-step.md).
+
+Request r of a step owns query rows ``query_start_loc[r] .. query_start_loc[r+1]`` (root, then
+nodes 1..n in node order) and has ``context_lens[r]`` committed positions. Its step K/V are
+already in the paged cache at positions ``context_lens[r] + j``. Query row j attends to every
+context position and to the tree positions whose bit is set in ``ancestor_mask[r, j]`` (the
+root, j's ancestors and j itself).
+
+One Triton kernel, three modes:
+
+* ``tree_attention`` (``CTX_MODE=1``): context and tree in one pass. Standalone; no split over
+  the context, so a long context with few programs is slow on a GPU (the benchmark measures it).
+* ``tree_attention_merge`` (``CTX_MODE=2``): the tree pass, started from a context pass that
+  someone else computed (FlashAttention 3's non-causal ``seqused_k=context_lens`` call with
+  ``return_softmax_lse=True``): the running softmax state begins at ``(m, l, acc) = (lse_ctx, 1,
+  out_ctx)``, which is the log-sum-exp merge fused into the tree pass. ``ctx_out`` may be
+  ``out`` itself (each program reads its rows before it writes them). Rows of requests with
+  ``context_lens == 0`` ignore ``ctx_out``/``ctx_lse`` (FlashAttention leaves them undefined).
+* ``CTX_MODE=0`` (``tree_attention_merge(..., ctx_out=None)``): tree keys only.
+
+Grid ``(B, num_kv_heads, cdiv(W * G, BLOCK_M))`` with G = q heads per KV head: a program takes
+BLOCK_M (node, q-head) rows of one request and one KV head (GQA packed: the K/V tiles are read
+once for the G heads). Static shapes (W = ``ancestor_mask.shape[1]``), loop bounds read on the
+device, no host synchronisation: capturable in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, blk, off, kv_ok, visible, kvh, offs_d, d_ok,
+                 qk_scale, s_kb, s_ko, s_kh, s_kd, s_vb, s_vo, s_vh, s_vd,
+                 DOT_PREC: tl.constexpr):
+    kmask = kv_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_ptr + blk[:, None] * s_kb + off[:, None] * s_ko + kvh * s_kh
+                + offs_d[None, :] * s_kd, mask=kmask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_ptr + blk[:, None] * s_vb + off[:, None] * s_vo + kvh * s_vh
+                + offs_d[None, :] * s_vd, mask=kmask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit(do_not_specialize=["block_size", "W"])
+def _tree_attention_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, ctx_out_ptr, ctx_lse_ptr,
+    block_table_ptr, qsl_ptr, ctx_len_ptr, mask_ptr, req_mask_ptr,
+    qk_scale,
+    s_qt, s_qh, s_qd,
+    s_kb, s_ko, s_kh, s_kd,
+    s_vb, s_vo, s_vh, s_vd,
+    s_ot, s_oh, s_od,
+    s_lh, s_lt,
+    s_cot, s_coh, s_cod,
+    s_clh, s_clt,
+    s_btr, s_mr, s_mn, s_mw,
+    block_size, W,
+    G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
+    CTX_MODE: tl.constexpr, WRITE_LSE: tl.constexpr, HAS_REQ_MASK: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    r = tl.program_id(0)
+    kvh = tl.program_id(1)
+    mt = tl.program_id(2)
+    qs = tl.load(qsl_ptr + r)
+    qe = tl.load(qsl_ptr + r + 1)
+    qlen = tl.minimum(qe - qs, W)
+    act = qlen > 0
+    if HAS_REQ_MASK:
+        act = act & (tl.load(req_mask_ptr + r) != 0)
+    ctx = tl.maximum(tl.load(ctx_len_ptr + r), 0)
+
+    offs_m = mt * BLOCK_M + tl.arange(0, BLOCK_M)
+    node = offs_m // G
+    qh = kvh * G + offs_m % G
+    row_ok = (node < qlen) & act
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    tok = (qs + node).to(tl.int64)
+    io_mask = row_ok[:, None] & d_ok[None, :]
+    q = tl.load(q_ptr + tok[:, None] * s_qt + qh[:, None] * s_qh + offs_d[None, :] * s_qd,
+                mask=io_mask, other=0.0)
+    bt_row = block_table_ptr + r.to(tl.int64) * s_btr
+
+    if CTX_MODE == 2:
+        has_ctx = row_ok & (ctx > 0)
+        acc = tl.load(ctx_out_ptr + tok[:, None] * s_cot + qh[:, None] * s_coh
+                      + offs_d[None, :] * s_cod, mask=has_ctx[:, None] & d_ok[None, :],
+                      other=0.0).to(tl.float32)
+        lse_c = tl.load(ctx_lse_ptr + qh * s_clh + tok * s_clt, mask=has_ctx, other=0.0)
+        m_i = tl.where(has_ctx, lse_c * LOG2E, float("-inf"))
+        l_i = tl.where(has_ctx, 1.0, 0.0)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    if CTX_MODE == 1:
+        n_ctx = tl.where(act & (mt * BLOCK_M < qlen * G), ctx, 0)
+        for start in range(0, n_ctx, BLOCK_N):
+            pos = start + tl.arange(0, BLOCK_N)
+            kv_ok = pos < n_ctx
+            blk = tl.load(bt_row + pos // block_size, mask=kv_ok, other=0).to(tl.int64)
+            off = (pos % block_size).to(tl.int64)
+            visible = kv_ok[None, :] & row_ok[:, None]
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, blk, off, kv_ok, visible,
+                                         kvh, offs_d, d_ok, qk_scale, s_kb, s_ko, s_kh, s_kd,
+                                         s_vb, s_vo, s_vh, s_vd, DOT_PREC)
+
+    # Tree keys: nodes 0 .. last node of this tile (ancestors precede their descendants).
+    n_tree = tl.where(act, tl.minimum((mt * BLOCK_M + BLOCK_M - 1) // G + 1, qlen), 0)
+    for start in range(0, n_tree, BLOCK_T):
+        j = start + tl.arange(0, BLOCK_T)
+        j_ok = j < n_tree
+        pos = ctx + j
+        blk = tl.load(bt_row + pos // block_size, mask=j_ok, other=0).to(tl.int64)
+        off = (pos % block_size).to(tl.int64)
+        wmask = row_ok[:, None] & j_ok[None, :]
+        word = tl.load(mask_ptr + r.to(tl.int64) * s_mr + node[:, None] * s_mn
+                       + (j[None, :] // 32) * s_mw, mask=wmask, other=0)
+        visible = (((word >> (j[None, :] % 32)) & 1) != 0) & wmask
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, blk, off, j_ok, visible,
+                                     kvh, offs_d, d_ok, qk_scale, s_kb, s_ko, s_kh, s_kd,
+                                     s_vb, s_vo, s_vh, s_vd, DOT_PREC)
+
+    has = l_i > 0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    tl.store(out_ptr + tok[:, None] * s_ot + qh[:, None] * s_oh + offs_d[None, :] * s_od,
+             o.to(out_ptr.dtype.element_ty), mask=io_mask)
+    if WRITE_LSE:
+        lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) / LOG2E, float("-inf"))
+        tl.store(lse_ptr + qh * s_lh + tok * s_lt, lse, mask=row_ok)
+
+
+class TreeAttentionError(ValueError):
+    """A tree-attention argument is malformed (metadata checks only; never reads device data)."""
+
+
+def _err(name, msg):
+    return TreeAttentionError(f"tree_attention: argument `{name}` {msg}")
+
+
+def _check(q, k_cache, v_cache, block_table, query_start_loc, context_lens, ancestor_mask,
+           num_reqs, request_mask):
+    dev = q.device
+    for name, t, nd in (("q", q, 3), ("k_cache", k_cache, 4), ("v_cache", v_cache, 4),
+                        ("block_table", block_table, 2), ("query_start_loc", query_start_loc, 1),
+                        ("context_lens", context_lens, 1), ("ancestor_mask", ancestor_mask, 3)):
+        if not isinstance(t, torch.Tensor):
+            raise _err(name, f"must be a torch.Tensor, got {type(t).__name__}")
+        if t.ndim != nd:
+            raise _err(name, f"must be {nd}-D, got shape {tuple(t.shape)}")
+        if t.device != dev:
+            raise _err(name, f"must be on {dev} like q, got {t.device}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise _err("q", f"dtype must be float16, bfloat16 or float32, got {q.dtype}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != q.dtype:
+            raise _err(name, f"dtype must equal q's ({q.dtype}), got {t.dtype} (a quantized KV "
+                       "cache is not supported by the tree pass)")
+    if k_cache.shape != v_cache.shape:
+        raise _err("v_cache", f"shape {tuple(v_cache.shape)} != k_cache {tuple(k_cache.shape)}")
+    T, Hq, D = q.shape
+    nb, bs, Hkv, Dk = k_cache.shape
+    if Dk != D:
+        raise _err("k_cache", f"head_dim {Dk} != q head_dim {D}; pass (num_blocks, block_size, "
+                   "num_kv_heads, head_dim) views (kv_views)")
+    if Hkv == 0 or Hq % Hkv:
+        raise _err("q", f"num_q_heads {Hq} must be a multiple of num_kv_heads {Hkv}")
+    for name, t in (("block_table", block_table), ("query_start_loc", query_start_loc),
+                    ("context_lens", context_lens), ("ancestor_mask", ancestor_mask)):
+        if t.dtype not in (torch.int32, torch.int64):
+            raise _err(name, f"dtype must be int32 or int64, got {t.dtype}")
+    if ancestor_mask.dtype != torch.int32:
+        raise _err("ancestor_mask", "must be int32 (DraftTree.ancestor_mask)")
+    if query_start_loc.stride(0) != 1 or context_lens.stride(0) != 1 or block_table.stride(1) != 1:
+        raise _err("query_start_loc", "query_start_loc, context_lens and block_table rows must "
+                   "be contiguous")
+    B = query_start_loc.shape[0] - 1 if num_reqs is None else int(num_reqs)
+    if B < 0 or B + 1 > query_start_loc.shape[0]:
+        raise _err("num_reqs", f"{B} needs query_start_loc of at least {B + 1} entries")
+    for name, t in (("context_lens", context_lens), ("block_table", block_table),
+                    ("ancestor_mask", ancestor_mask)):
+        if t.shape[0] < B:
+            raise _err(name, f"has {t.shape[0]} rows, fewer than the {B} requests")
+    W = ancestor_mask.shape[1]
+    if ancestor_mask.shape[2] * 32 < W:
+        raise _err("ancestor_mask", f"shape {tuple(ancestor_mask.shape)}: {ancestor_mask.shape[2]} "
+                   f"words per row cannot hold {W} bits")
+    if request_mask is not None:
+        if not isinstance(request_mask, torch.Tensor) or request_mask.ndim != 1 \
+                or request_mask.shape[0] < B or request_mask.device != dev:
+            raise _err("request_mask", "must be a 1-D tensor with one entry per request on q's device")
+    return B, T, Hq, D, Hkv, bs, W
+
+
+def _launch(q, k_cache, v_cache, block_table, query_start_loc, context_lens, ancestor_mask,
+            softmax_scale, ctx_mode, ctx_out, ctx_lse, out, lse, return_lse, request_mask,
+            num_reqs, block_m, block_n, block_t, num_warps):
+    B, T, Hq, D, Hkv, bs, W = _check(q, k_cache, v_cache, block_table, query_start_loc,
+                                     context_lens, ancestor_mask, num_reqs, request_mask)
+    G = Hq // Hkv
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.device != q.device:
+        raise _err("out", f"must have q's shape {tuple(q.shape)} on {q.device}")
+    if ctx_mode == 2:
+        if ctx_out.shape[:3] != q.shape or ctx_out.device != q.device:
+            raise _err("ctx_out", f"must have q's shape {tuple(q.shape)} on {q.device}")
+        if ctx_lse.ndim != 2 or ctx_lse.shape[0] != Hq or ctx_lse.shape[1] < T \
+                or ctx_lse.dtype != torch.float32:
+            raise _err("ctx_lse", f"must be float32 [num_q_heads={Hq}, >= {T}] (FlashAttention's "
+                       f"softmax_lse), got {tuple(ctx_lse.shape)} {ctx_lse.dtype}")
+    write_lse = return_lse or lse is not None
+    if write_lse and lse is None:
+        lse = torch.empty(Hq, T, dtype=torch.float32, device=q.device)
+    if lse is not None and (lse.ndim != 2 or lse.shape[0] != Hq or lse.shape[1] < T
+                            or lse.dtype != torch.float32):
+        raise _err("lse", f"must be float32 [num_q_heads={Hq}, >= {T}]")
+    BLOCK_D = max(16, triton.next_power_of_2(D))
+    if block_m is None:
+        block_m = 64 if W * G >= 64 else max(16, triton.next_power_of_2(W * G))
+    if block_t is None:
+        block_t = 64 if W >= 64 else max(16, triton.next_power_of_2(W))
+    grid = (B, Hkv, triton.cdiv(W * G, block_m))
+    dummy = out
+    cdo = ctx_out if ctx_mode == 2 else dummy
+    cdl = ctx_lse if ctx_mode == 2 else (lse if lse is not None else context_lens)
+    lse_arg = lse if lse is not None else cdl
+    if B > 0 and W > 0:
+        _tree_attention_kernel[grid](
+            q, k_cache, v_cache, out, lse_arg, cdo, cdl,
+            block_table, query_start_loc, context_lens, ancestor_mask,
+            request_mask if request_mask is not None else context_lens,
+            float(softmax_scale) * _LOG2E,
+            q.stride(0), q.stride(1), q.stride(2),
+            *k_cache.stride(), *v_cache.stride(),
+            out.stride(0), out.stride(1), out.stride(2),
+            lse_arg.stride(0), lse_arg.stride(1) if lse_arg.ndim == 2 else 0,
+            cdo.stride(0), cdo.stride(1), cdo.stride(2),
+            cdl.stride(0), cdl.stride(1) if cdl.ndim == 2 else 0,
+            block_table.stride(0), ancestor_mask.stride(0), ancestor_mask.stride(1),
+            ancestor_mask.stride(2),
+            bs, W,
+            G=G, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_T=block_t,
+            CTX_MODE=ctx_mode, WRITE_LSE=write_lse, HAS_REQ_MASK=request_mask is not None,
+            DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+            num_warps=num_warps,
+        )
+    return (out, lse) if return_lse else out
+
+
+def tree_attention(q, k_cache, v_cache, block_table, query_start_loc, context_lens, ancestor_mask,
+                   softmax_scale: float, *, out: Optional[torch.Tensor] = None,
+                   lse: Optional[torch.Tensor] = None, return_lse: bool = False,
+                   request_mask: Optional[torch.Tensor] = None, num_reqs: Optional[int] = None,
+                   block_m: Optional[int] = None, block_n: int = 64, block_t: Optional[int] = None,
+                   num_warps: int = 4):
+    """Context + tree attention in one kernel.
+
+    q ``[T, Hq, D]``; k_cache / v_cache ``(num_blocks, block_size, Hkv, D)`` views (any strides,
+    same dtype as q); block_table ``[>= B, max_blocks]``; query_start_loc ``[>= B+1]``;
+    context_lens ``[>= B]``; ancestor_mask int32 ``[>= B, W, ceil(W/32)]`` (W >= every q_len);
+    request_mask ``[>= B]`` (optional, 0 = leave the request's rows untouched). Returns ``out``
+    (q's dtype) and, with ``return_lse``, lse float32 ``[Hq, T]`` (natural log).
+    """
+    return _launch(q, k_cache, v_cache, block_table, query_start_loc, context_lens, ancestor_mask,
+                   softmax_scale, 1, None, None, out, lse, return_lse, request_mask, num_reqs,
+                   block_m, block_n, block_t, num_warps)
+
+
+def tree_attention_merge(q, k_cache, v_cache, block_table, query_start_loc, context_lens,
+                         ancestor_mask, softmax_scale: float, ctx_out: Optional[torch.Tensor],
+                         ctx_lse: Optional[torch.Tensor], *, out: Optional[torch.Tensor] = None,
+                         lse: Optional[torch.Tensor] = None, return_lse: bool = False,
+                         request_mask: Optional[torch.Tensor] = None,
+                         num_reqs: Optional[int] = None, block_m: Optional[int] = None,
+                         block_t: Optional[int] = None, num_warps: int = 4):
+    """The tree pass merged with a given context pass (``ctx_out [T, Hq, D]``, ``ctx_lse``
+    float32 ``[Hq, >= T]``, FlashAttention's output and ``softmax_lse``). ``out`` may be
+    ``ctx_out`` (in place). ``ctx_out=None`` and ``ctx_lse=None``: tree keys only. Other
+    arguments as ``tree_attention``."""
+    if (ctx_out is None) != (ctx_lse is None):
+        raise _err("ctx_out", "and `ctx_lse` must be given together (or both None)")
+    mode = 0 if ctx_out is None else 2
+    return _launch(q, k_cache, v_cache, block_table, query_start_loc, context_lens, ancestor_mask,
+                   softmax_scale, mode, ctx_out, ctx_lse, out, lse, return_lse, request_mask,
+                   num_reqs, block_m, 64, block_t, num_warps)
