@@ -26,7 +26,7 @@ device, no host synchronisation: capturable in a CUDA graph.
 
 from __future__ import annotations
 
-import math
+import os
 from typing import Optional
 
 import torch
@@ -35,16 +35,23 @@ import triton.language as tl
 
 LOG2E = tl.constexpr(1.4426950408889634)
 _LOG2E = 1.4426950408889634
+# Under TRITON_INTERPRET=1 (read at import, like @triton.jit) bf16 dots run in fp32 (see
+# _attend_tile); compiled kernels use the bf16 tensor-core dot.
+_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @triton.jit
 def _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, blk, off, kv_ok, visible, kvh, offs_d, d_ok,
                  qk_scale, s_kb, s_ko, s_kh, s_kd, s_vb, s_vo, s_vh, s_vd,
-                 DOT_PREC: tl.constexpr):
+                 DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr):
     kmask = kv_ok[:, None] & d_ok[None, :]
     k = tl.load(k_ptr + blk[:, None] * s_kb + off[:, None] * s_ko + kvh * s_kh
                 + offs_d[None, :] * s_kd, mask=kmask, other=0.0)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+    if DOT_UPCAST:  # the interpreter's bf16 tl.dot is wrong (Triton 3.7.1): same math in fp32
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+    s = s * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -53,7 +60,11 @@ def _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, blk, off, kv_ok, visible, kvh, 
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_ptr + blk[:, None] * s_vb + off[:, None] * s_vo + kvh * s_vh
                 + offs_d[None, :] * s_vd, mask=kmask, other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    if DOT_UPCAST:
+        pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    acc = acc * alpha[:, None] + pv
     return m_new, l_i, acc
 
 
@@ -74,7 +85,7 @@ def _tree_attention_kernel(
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
     CTX_MODE: tl.constexpr, WRITE_LSE: tl.constexpr, HAS_REQ_MASK: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
     r = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -122,7 +133,7 @@ def _tree_attention_kernel(
             visible = kv_ok[None, :] & row_ok[:, None]
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, blk, off, kv_ok, visible,
                                          kvh, offs_d, d_ok, qk_scale, s_kb, s_ko, s_kh, s_kd,
-                                         s_vb, s_vo, s_vh, s_vd, DOT_PREC)
+                                         s_vb, s_vo, s_vh, s_vd, DOT_PREC, DOT_UPCAST)
 
     # Tree keys: nodes 0 .. last node of this tile (ancestors precede their descendants).
     n_tree = tl.where(act, tl.minimum((mt * BLOCK_M + BLOCK_M - 1) // G + 1, qlen), 0)
@@ -138,7 +149,7 @@ def _tree_attention_kernel(
         visible = (((word >> (j[None, :] % 32)) & 1) != 0) & wmask
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, blk, off, j_ok, visible,
                                      kvh, offs_d, d_ok, qk_scale, s_kb, s_ko, s_kh, s_kd,
-                                     s_vb, s_vo, s_vh, s_vd, DOT_PREC)
+                                     s_vb, s_vo, s_vh, s_vd, DOT_PREC, DOT_UPCAST)
 
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -262,6 +273,7 @@ def _launch(q, k_cache, v_cache, block_table, query_start_loc, context_lens, anc
             G=G, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_T=block_t,
             CTX_MODE=ctx_mode, WRITE_LSE=write_lse, HAS_REQ_MASK=request_mask is not None,
             DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+            DOT_UPCAST=q.dtype == torch.bfloat16 and _INTERPRETING,
             num_warps=num_warps,
         )
     return (out, lse) if return_lse else out

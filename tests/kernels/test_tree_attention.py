@@ -1,0 +1,144 @@
+"""Tree attention (Triton interpreter) == a dense float64 reference with an explicit
+``[q_len, ctx + q_len]`` mask per request (``tree_attention_ref``), on random trees and contexts,
+paged KV in several block sizes and layouts, GQA; a chain-shaped tree == causal attention (what
+vLLM's chain step computes); the merge with an emulated FlashAttention context pass, in place.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from _tree_step_cases import make_case
+from ddtree_patcher.kernels import (
+    causal_attention_ref,
+    context_attention_ref,
+    tree_attention,
+    tree_attention_merge,
+    tree_attention_ref,
+)
+from ddtree_patcher.kernels.tree_attention import TreeAttentionError
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+def _args(c):
+    return (c.q, c.k, c.v, c.block_table, c.query_start_loc, c.context_lens, c.ancestor_mask,
+            c.scale)
+
+
+def _close(got, ref, c, dtype, lse=None, rlse=None, rows=None):
+    T = int(c.query_start_loc[-1])
+    rows = slice(0, T) if rows is None else rows
+    err = (got[rows].float() - ref[rows]).abs().max().item()
+    assert err <= TOL[dtype], f"max abs err {err}"
+    if lse is not None:
+        lerr = (lse[:, rows] - rlse[:, rows]).abs().max().item()
+        assert lerr <= (1e-4 if dtype == torch.float32 else 1e-2), f"lse err {lerr}"
+
+
+# (contexts, nodes per request, Hq, Hkv, D, block size, dtype, layout)
+CASES = [
+    ([5, 37, 0, 20], [6, 3, 4, 0], 4, 2, 32, 4, torch.float32, "fa-nbhbs2d"),
+    ([70, 1, 16], [12, 12, 7], 8, 2, 16, 16, torch.float32, "fa-nb2bshd"),
+    ([33, 9], [5, 9], 2, 2, 64, 5, torch.float32, "cpu-nbhbs2d"),
+    ([40, 3, 64], [10, 2, 15], 4, 1, 32, 16, torch.bfloat16, "fa-nbhbs2d"),
+    ([19, 0], [8, 3], 6, 3, 48, 8, torch.float16, "fa-2nbbshd"),
+    ([25, 12], [4, 6], 4, 2, 16, 32, torch.float32, "cpu-2nbhbsd"),
+]
+
+
+@pytest.mark.parametrize("ctx,n,Hq,Hkv,D,bs,dtype,layout", CASES)
+def test_tree_attention_matches_dense_reference(ctx, n, Hq, Hkv, D, bs, dtype, layout):
+    c = make_case(ctx, n, Hq=Hq, Hkv=Hkv, D=D, bs=bs, dtype=dtype, layout=layout, seed=len(ctx) + bs)
+    ref, rlse = tree_attention_ref(*_args(c))
+    out, lse = tree_attention(*_args(c), return_lse=True, block_n=16)
+    _close(out, ref, c, dtype, lse, rlse)
+
+
+@pytest.mark.parametrize("ctx,n,Hq,Hkv,D,bs,dtype,layout", CASES[:4])
+def test_tree_pass_merged_with_context_pass(ctx, n, Hq, Hkv, D, bs, dtype, layout):
+    """FlashAttention's context pass (emulated: non-causal over ``seqused_k = context_lens``,
+    lse; NaN rows where the context is empty) + ``tree_attention_merge`` writing in place."""
+    c = make_case(ctx, n, Hq=Hq, Hkv=Hkv, D=D, bs=bs, dtype=dtype, layout=layout, seed=7)
+    ref, rlse = tree_attention_ref(*_args(c))
+    ctx_out, ctx_lse = context_attention_ref(*_args(c)[:6], c.scale)
+    out, lse = tree_attention_merge(*_args(c), ctx_out, ctx_lse, out=ctx_out, lse=ctx_lse,
+                                    return_lse=True)
+    assert out is ctx_out and lse is ctx_lse
+    _close(out, ref, c, dtype, lse, rlse)
+
+
+def test_tree_pass_alone_is_attention_over_the_tree():
+    c = make_case([0, 0], [9, 5], seed=3)  # no context: the tree keys are all there is
+    ref, rlse = tree_attention_ref(*_args(c))
+    out, lse = tree_attention_merge(*_args(c), None, None, return_lse=True)
+    _close(out, ref, c, torch.float32, lse, rlse)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chain_shaped_tree_equals_causal_attention(dtype):
+    c = make_case([23, 0, 41], [7, 4, 15], Hq=4, Hkv=2, D=32, bs=16, dtype=dtype, chain=True, seed=5)
+    causal = causal_attention_ref(*_args(c)[:6], c.scale)
+    ref, _ = tree_attention_ref(*_args(c))
+    T = int(c.query_start_loc[-1])
+    assert (ref[:T] - causal[:T]).abs().max().item() < 1e-6  # the mask of a chain is causal
+    _close(tree_attention(*_args(c), block_n=32), causal, c, dtype)
+    ctx_out, ctx_lse = context_attention_ref(*_args(c)[:6], c.scale)
+    _close(tree_attention_merge(*_args(c), ctx_out, ctx_lse, out=ctx_out), causal, c, dtype)
+
+
+def test_wide_tree_multiword_mask_and_siblings_invisible():
+    """W > 32 (two mask words per row) and a star tree: a node must not see its siblings."""
+    c = make_case([30, 8], [40, 45], Hq=2, Hkv=1, D=16, bs=16, seed=11)
+    ref, rlse = tree_attention_ref(*_args(c))
+    out, lse = tree_attention(*_args(c), return_lse=True, block_n=32, block_t=16)
+    _close(out, ref, c, torch.float32, lse, rlse)
+    # a star (every node a child of the root): row j == attention over context + root + j
+    star = make_case([12], [20], Hq=2, Hkv=1, D=16, bs=4, seed=12)
+    star.ancestor_mask.zero_()
+    for j in range(21):
+        star.ancestor_mask[0, j, 0] = 1 | (1 << j) if j < 31 else 1
+    ref, _ = tree_attention_ref(*_args(star))
+    _close(tree_attention(*_args(star)), ref, star, torch.float32)
+
+
+def test_request_mask_and_padding_rows_untouched():
+    c = make_case([10, 20, 5], [4, 6, 3], seed=13)
+    sentinel = torch.full_like(c.q, 123.0)
+    out = sentinel.clone()
+    keep = torch.tensor([True, False, True])
+    tree_attention(*_args(c), out=out, request_mask=keep)
+    ref, _ = tree_attention_ref(*_args(c))
+    qsl = c.query_start_loc.tolist()
+    _close(out, ref, c, torch.float32, rows=slice(qsl[0], qsl[1]))
+    _close(out, ref, c, torch.float32, rows=slice(qsl[2], qsl[3]))
+    assert torch.equal(out[qsl[1]:qsl[2]], sentinel[qsl[1]:qsl[2]])  # masked-out request
+    assert torch.equal(out[qsl[3]:], sentinel[qsl[3]:])  # padding rows past the last request
+
+
+def test_num_reqs_and_oversized_buffers():
+    """TreeStep-style buffers sized for max_num_reqs: only the first num_reqs requests count."""
+    c = make_case([9, 14], [5, 3], seed=17)
+    big_mask = torch.cat([c.ancestor_mask, torch.full((3,) + c.ancestor_mask.shape[1:], -1,
+                                                      dtype=torch.int32)])
+    big_ctx = torch.cat([c.context_lens, torch.tensor([99, 99, 99], dtype=torch.int32)])
+    big_qsl = torch.cat([c.query_start_loc, c.query_start_loc[-1:].repeat(3)])
+    ref, _ = tree_attention_ref(*_args(c))
+    out = tree_attention(c.q, c.k, c.v, c.block_table, big_qsl, big_ctx, big_mask, c.scale,
+                         num_reqs=2)
+    _close(out, ref, c, torch.float32)
+
+
+def test_named_errors():
+    c = make_case([4], [2], seed=1)
+    with pytest.raises(TreeAttentionError, match="k_cache"):
+        tree_attention(c.q, c.k.to(torch.float16), c.v, *_args(c)[3:])
+    with pytest.raises(TreeAttentionError, match="num_kv_heads"):
+        tree_attention(c.q[:, :3], c.k, c.v, *_args(c)[3:])
+    with pytest.raises(TreeAttentionError, match="ancestor_mask"):
+        tree_attention(*_args(c)[:6], c.ancestor_mask.long(), c.scale)
+    with pytest.raises(TreeAttentionError, match="ctx_lse"):
+        tree_attention_merge(*_args(c), c.q, torch.zeros(4, 1))
