@@ -28,6 +28,7 @@ Kernels:
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -296,6 +297,25 @@ def _stream(row_ptr, seg_start, seg_end, OFF, G, r, s, T: tl.constexpr, SANITIZE
 
 
 @triton.jit
+def _positions3(f):
+    """Exclusive running count of the int32 flags f [A, B, C] in (a, b, c) order, at the flagged
+    entries (scans along each axis, no reshape: the last axis stays in-thread)."""
+    rt = tl.sum(f, axis=2)
+    cl = tl.cumsum(rt, axis=1) - rt
+    ut = tl.sum(rt, axis=1)
+    cu = tl.cumsum(ut, axis=0) - ut
+    return tl.cumsum(f, axis=2) - f + cl[:, :, None] + cu[:, None, None]
+
+
+@triton.jit
+def _positions2(f):
+    """Exclusive running count of the int32 flags f [A, B] in (a, b) order."""
+    rt = tl.sum(f, axis=1)
+    ca = tl.cumsum(rt, axis=0) - rt
+    return tl.cumsum(f, axis=1) - f + ca[:, None]
+
+
+@triton.jit
 def _merge_staged(row_ptr, ebase, kbase, q0, cnt, KP: tl.constexpr, CB: tl.constexpr):
     """Running top-KP keys (kbase, int64 (value, lower id)) := top-KP of (running list, the
     staged candidates q0..q0+CB-1, whose ids are in ebase)."""
@@ -376,11 +396,13 @@ def _seg_kernel(
         G = tl.full([U, NTHR, VEC], float("-inf"), tl.float32)
         r = tl.full([NTHR], float("-inf"), tl.float32)
         s = tl.zeros([NTHR], dtype=tl.float32)
-        # fast pass without sanitising; NaN or +inf anywhere makes the sum NaN: redo sanitised
+        # fast pass without sanitising; NaN or +inf anywhere makes a lane's sum NaN (or the
+        # max +inf): then redo the segment sanitised
         G1, r1, s1 = _stream(row_ptr, seg_start, seg_end, OFF, G, r, s, T, False)
         m = tl.max(r1, axis=0)
         ssum = tl.sum(tl.where(r1 > float("-inf"), s1 * tl.exp2((r1 - m) * LOG2E), 0.0), axis=0)
-        if (ssum != ssum) | (m == float("inf")):
+        chk = tl.sum(s1, axis=0)  # NaN iff some lane's sum is
+        if (chk != chk) | (m != m) | (m == float("inf")):
             G1, r1, s1 = _stream(row_ptr, seg_start, seg_end, OFF, G, r, s, T, True)
             m = tl.max(r1, axis=0)
             ssum = tl.sum(tl.where(r1 > float("-inf"), s1 * tl.exp2((r1 - m) * LOG2E), 0.0),
@@ -390,16 +412,16 @@ def _seg_kernel(
         kk = tl.arange(0, KP)
         t = tl.max(tl.where(kk == K, tl.topk(r1, KP), float("-inf")), axis=0)
         valid = seg_start + OFF < seg_end
-        if t > float("-inf"):
-            flags = valid & (G1 >= t)
-        else:  # fewer than K+1 lanes hold a finite entry: every finite slot, and the first
-            # KP + n_fin slots (in tile 0 they hold >= KP of the lowest-id -inf entries)
-            fin = valid & (G1 > float("-inf"))
-            n_fin = tl.sum(tl.sum(tl.sum(fin.to(tl.int32), axis=2), axis=1), axis=0)
-            flags = fin | (valid & (OFF < KP + n_fin))
-        flags = tl.reshape(flags, [T])
-        offs = tl.reshape(OFF, [T])
-        nsl = tl.sum(flags.to(tl.int32), axis=0)
+        # candidate slots: first those with G > t, then those with G == t in slot order; a
+        # batch of the latter whose first slot s has key(t, s) <= the running (K+1)-th key
+        # (and every later one) cannot improve the list: stop there (many ties, -inf rows)
+        fhi = valid & (G1 > t)
+        feq = valid & (G1 == t)
+        n_hi = tl.sum(tl.sum(tl.sum(fhi.to(tl.int32), axis=2), axis=1), axis=0)
+        n_eq = tl.sum(tl.sum(tl.sum(feq.to(tl.int32), axis=2), axis=1), axis=0)
+        spos = tl.where(fhi, _positions3(fhi.to(tl.int32)), n_hi + _positions3(feq.to(tl.int32)))
+        flags = fhi | feq
+        nsl = n_hi + n_eq
         base = pid.to(tl.int64)
         kbase = part_key_ptr + base * KP
         sbase = scr_ptr + base * (CS + CB)
@@ -408,21 +430,30 @@ def _seg_kernel(
         NT = tl.cdiv(seg_end - seg_start, T)
         ci = tl.arange(0, CS)
         ii = tl.arange(0, NTP)
-        for sb in range(0, nsl, CS):  # batches of CS candidate slots (one, unless many ties)
-            tl.debug_barrier()  # the previous batch's slots have been read
-            _stage_candidates(flags, offs, sbase, sb, CS)
+        sb = nsl * 0
+        go = nsl > 0
+        while go:  # batches of CS candidate slots (one, unless many ties)
+            tl.debug_barrier()  # the previous batch's slots (and the running list) are read
+            tl.store(sbase + spos - sb, OFF, mask=flags & (spos >= sb) & (spos < sb + CS))
             tl.debug_barrier()
-            sl = tl.load(sbase + ci, mask=ci < nsl - sb, other=0)
-            gid = seg_start + ii[None, :] * T + sl[:, None]
-            gm = (ci[:, None] < nsl - sb) & (ii[None, :] < NT) & (gid < seg_end)
-            y = tl.load(row_ptr + gid, mask=gm, other=float("-inf")).to(tl.float32)
-            y = tl.where(y < float("inf"), y, float("-inf"))
-            cand = tl.reshape(gm & (y >= t), [CS * NTP])
-            gidf = tl.reshape(gid, [CS * NTP])
-            cnt = tl.sum(cand.to(tl.int32), axis=0)
-            for q0 in range(0, cnt, CB):  # batches of CB candidate entries
-                _stage_candidates(cand, gidf, ebase, q0, CB)
-                _merge_staged(row_ptr, ebase, kbase, q0, cnt, KP, CB)
+            inb = ci < nsl - sb
+            sl = tl.load(sbase + ci, mask=inb, other=0)
+            kth = tl.load(kbase + K)  # the running (K+1)-th key
+            s0 = tl.min(tl.where(inb, sl, 2147483647), axis=0)
+            stop = (sb >= n_hi) & (kth >= _vkey(t, seg_start + s0))
+            if stop == 0:
+                gid = seg_start + ii[None, :] * T + sl[:, None]
+                gm = inb[:, None] & (ii[None, :] < NT) & (gid < seg_end)
+                y = tl.load(row_ptr + gid, mask=gm, other=float("-inf")).to(tl.float32)
+                y = tl.where(y < float("inf"), y, float("-inf"))
+                cand = gm & (y >= t) & (_vkey(y, gid) > kth)
+                epos = _positions2(cand.to(tl.int32))
+                cnt = tl.max(tl.max(tl.where(cand, epos, -1), axis=1), axis=0) + 1
+                for q0 in range(0, cnt, CB):  # batches of CB candidate entries
+                    tl.store(ebase + epos - q0, gid, mask=cand & (epos >= q0) & (epos < q0 + CB))
+                    _merge_staged(row_ptr, ebase, kbase, q0, cnt, KP, CB)
+            sb += CS
+            go = (sb < nsl) & (stop == 0)
         tl.debug_barrier()  # the running list is visible to every lane
         if NSEG == 1:
             lse = tl.where(m > float("-inf"), m + tl.log(ssum), float("-inf"))
@@ -568,6 +599,8 @@ def _next_pow2(x: int) -> int:
 
 SMALL_KP = 32  # K + 1 <= SMALL_KP: the one-pass segment kernel; larger K: chunk + merge kernels
 SEG_TILE = 4096  # vocab entries per thread block per step of _seg_kernel
+SEG_CTAS_PER_SM = 4  # _seg_kernel programs resident per SM (4 warps, <= 128 registers)
+SEG_MAXNREG = 128
 _SM_COUNT: dict = {}
 
 
@@ -578,6 +611,29 @@ def _sm_count(dev: torch.device) -> int:
     if key not in _SM_COUNT:
         _SM_COUNT[key] = torch.cuda.get_device_properties(key).multi_processor_count
     return _SM_COUNT[key]
+
+
+def _default_segment(rows: int, V: int, T: int, KP: int, slots: int) -> int:
+    """Segment length (whole tiles) so that rows * segments fills the GPU's resident programs
+    (`slots`) in close to whole waves: one wave when the rows alone are fewer, else the fewest
+    segments per row whose last wave is at least 85% full."""
+    ntile = triton.cdiv(V, T)
+    best = None
+    for nseg in range(1, ntile + 1):
+        seg = triton.cdiv(ntile, nseg) * T
+        nseg = triton.cdiv(V, seg)
+        if _next_pow2(nseg) * KP > MAX_MERGE:
+            break
+        progs = rows * nseg
+        waves = progs / slots
+        eff = waves / math.ceil(waves)
+        if best is None or eff > best[0] + 1e-9:
+            best = (eff, seg)
+        if progs >= slots // 2 and eff >= 0.85:
+            return seg
+        if progs > 4 * slots:
+            break
+    return best[1]
 
 
 def _check_chunk(chunk, V, KP):
@@ -604,11 +660,8 @@ def _topk_segments(x, K, KP, active, chunk, chunk_warps):
     T = U * NTHR * VEC
     if chunk:
         SEG = _check_chunk(chunk, V, KP)
-    else:  # enough programs to fill the GPU (4 per SM), segments of whole tiles
-        nseg = max(1, min(triton.cdiv(4 * _sm_count(dev), max(rows, 1)), triton.cdiv(V, T)))
-        SEG = triton.cdiv(triton.cdiv(V, nseg), T) * T
-        while _next_pow2(triton.cdiv(V, SEG)) * KP > MAX_MERGE:
-            SEG *= 2
+    else:
+        SEG = _default_segment(rows, V, T, KP, _sm_count(dev) * SEG_CTAS_PER_SM)
     NSEG = triton.cdiv(V, SEG)
     f32 = torch.float32
     lse = torch.empty((B, L), dtype=f32, device=dev)
@@ -628,6 +681,7 @@ def _topk_segments(x, K, KP, active, chunk, chunk_warps):
         L, V, x.stride(0), x.stride(1), NSEG, SEG, K,
         U=U, NTHR=NTHR, VEC=VEC, NTP=_next_pow2(triton.cdiv(min(SEG, V), T)), KP=KP, CS=CS,
         CB=CB, NSEGP=_next_pow2(NSEG), HAS_ACTIVE=active is not None, num_warps=nw,
+        maxnreg=SEG_MAXNREG,  # the streaming loop needs < 128; the rare paths may spill
     )
     return lse, top_lp, top_id
 
