@@ -520,7 +520,13 @@ def _tree_kernel(
     # frontier: HI = ord(σ) of the slot's candidate (SENT32: none), LO = its tie-break bits
     # (63 - depth) << 21 | (1023 - rank) << 11 | (2047 - parent); a pop is two int32 max
     # reductions (σ, then the tie-break among equal σ)
-    lp00 = tl.load(top_lp_ptr + tb)
+    lp_b = top_lp_ptr + tb
+    id_b = top_id_ptr + tb
+    tok_b = tok_ptr + ob
+    par_b = par_ptr + ob
+    dep_b = dep_ptr + ob
+    score_b = score_ptr + ob
+    lp00 = tl.load(lp_b)
     HI = tl.where((slot == 0) & act, _ord0(lp00), SENT32)
     LO = tl.where(slot == 0, (62 << 21) + (1023 << 11) + 2047, 0)
     PS = tl.zeros([NP], dtype=tl.float32)  # σ of emitted nodes (root: 0)
@@ -539,10 +545,10 @@ def _tree_kernel(
         j = count + 1
         has_sib = ok & (r + 1 < K)
         has_child = ok & (d < L)
-        trow = tb + (d - 1).to(tl.int64) * KP
-        lp_sib = tl.load(top_lp_ptr + trow + r + 1, mask=has_sib, other=float("-inf"))
-        lp_ch = tl.load(top_lp_ptr + trow + KP, mask=has_child, other=float("-inf"))
-        tok = tl.load(top_id_ptr + trow + r, mask=ok, other=-1)
+        trow = (d - 1) * KP  # int32 offsets from the request's table
+        lp_sib = tl.load(lp_b + trow + r + 1, mask=has_sib, other=float("-inf"))
+        lp_ch = tl.load(lp_b + trow + KP, mask=has_child, other=float("-inf"))
+        tok = tl.load(id_b + trow + r, mask=ok, other=-1)
         # slot p: the popped node's next sibling (σ(p) + lp, fp32), rank + 1
         HI = tl.where(slot == p, tl.where(has_sib, _ord0(PS + lp_sib), SENT32), HI)
         LO = tl.where(slot == p, LO - 2048, LO)
@@ -550,10 +556,10 @@ def _tree_kernel(
         HI = tl.where(slot == j, tl.where(has_child, _ord0(sig + lp_ch), SENT32), HI)
         LO = tl.where(slot == j, ((62 - d) << 21) + (1023 << 11) + (2047 - j), LO)
         PS = tl.where(slot == j, sig, PS)
-        tl.store(tok_ptr + ob + count, tok, mask=ok)
-        tl.store(par_ptr + ob + count, p, mask=ok)
-        tl.store(dep_ptr + ob + count, d, mask=ok)
-        tl.store(score_ptr + ob + count, sig, mask=ok)
+        tl.store(tok_b + count, tok, mask=ok)
+        tl.store(par_b + count, p, mask=ok)
+        tl.store(dep_b + count, d, mask=ok)
+        tl.store(score_b + count, sig, mask=ok)
         last = tl.where(ok, sig, last)
         maxd = tl.where(ok, tl.maximum(maxd, d), maxd)
         count = tl.where(ok, j, count)

@@ -98,13 +98,13 @@ def build_tree_variants():
                 active_ptr="keep" if active else None, U=4096 // (128 * vec), NTHR=128, VEC=vec,
                 NTP=ntp, KP=kp, CS=16, CB=kp, NSEGP=nsegp, HAS_ACTIVE=active), SEG_OPTS
     for dtype in ("*bf16", "*fp32"):  # K + 1 > 32: chunk + merge kernels
-        for kp, active in ((64, False), (256, True)):
+        for kp, active in ((64, False), (64, True)):
             yield f"build_tree chunk {dtype[1:]} KP={kp} active={active}", BT._chunk_kernel, dict(
                 CHUNK_PTRS, logits_ptr=dtype), dict(
                 active_ptr="keep" if active else None, CHUNK=8192, KP=kp,
                 CAPT=max(128, 8 * kp), SUB=1024, HAS_ACTIVE=active,
                 KEY32=dtype == "*bf16"), 0
-    for kp, active in ((64, False), (256, True)):
+    for kp, active in ((64, False), (64, True)):
         yield f"build_tree merge KP={kp} active={active}", BT._merge_kernel, MERGE_PTRS, dict(
             active_ptr="keep" if active else None, NCHP=32, KP=kp, HAS_ACTIVE=active), 0
     for n, mask, active in ((16, True, False), (64, True, True), (256, True, False), (256, False, False)):
