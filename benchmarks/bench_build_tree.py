@@ -300,8 +300,8 @@ def main():
                  + [(b, [64], dict(topk=16)) for b in (1, 64)]
                  + [(b, [256], dict(topk=256)) for b in (1, 8)])
         if args.quick:
-            sweep = ([(8, [256], dict(tree_warps=4)), (64, [64], dict(chunk_warps=8)),
-                      (1, [64], dict(chunk_warps=2)), (1, [64], dict(chunk=16384))]
+            sweep = ([(1, [64], dict(chunk=c)) for c in (8192, 32768)]
+                     + [(8, [16, 64], dict(chunk=16384))]
                      + [(b, [64], dict(topk=16)) for b in (1, 64)] + [(1, [256], dict(topk=256))])
         if smoke:
             sweep = [(1, [16], dict(tree_warps=2, chunk=256, topk=16))]

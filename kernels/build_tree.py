@@ -280,14 +280,16 @@ def _tile_update(x, G, r, s, SANITIZE: tl.constexpr):
 
 @triton.jit
 def _stream(row_ptr, seg_start, seg_end, OFF, G, r, s, T: tl.constexpr, SANITIZE: tl.constexpr):
-    """Read the segment [seg_start, seg_end) once: full tiles unmasked (the next one in flight
-    while the current one is reduced), then the partial tail tile masked."""
+    """Read the segment [seg_start, seg_end) once: full tiles unmasked, two tiles in flight
+    while the current one is reduced, then the partial tail tile masked."""
     nfull = (seg_end - seg_start) // T
-    xn = tl.load(row_ptr + seg_start + OFF, mask=nfull > 0)
+    xa = tl.load(row_ptr + seg_start + OFF, mask=nfull > 0)
+    xb = tl.load(row_ptr + (seg_start + T) + OFF, mask=nfull > 1)
     pos = seg_start
     for i in range(0, nfull):
-        x = xn
-        xn = tl.load(row_ptr + (pos + T) + OFF, mask=i + 1 < nfull)
+        x = xa
+        xa = xb
+        xb = tl.load(row_ptr + (pos + 2 * T) + OFF, mask=i + 2 < nfull)
         G, r, s = _tile_update(x.to(tl.float32), G, r, s, SANITIZE)
         pos += T
     if pos < seg_end:
@@ -316,26 +318,6 @@ def _positions2(f):
 
 
 @triton.jit
-def _merge_staged(row_ptr, ebase, kbase, q0, cnt, KP: tl.constexpr, CB: tl.constexpr):
-    """Running top-KP keys (kbase, int64 (value, lower id)) := top-KP of (running list, the
-    staged candidates q0..q0+CB-1, whose ids are in ebase)."""
-    tl.debug_barrier()  # the staged ids are visible to every lane
-    CAPT: tl.constexpr = KP + CB
-    lane = tl.arange(0, CAPT)
-    bl = lane - KP
-    bm = (lane >= KP) & (bl + q0 < cnt)
-    gid = tl.load(ebase + bl, mask=bm, other=0)
-    y = tl.load(row_ptr + gid, mask=bm, other=float("-inf")).to(tl.float32)
-    y = tl.where(y < float("inf"), y, float("-inf"))
-    rk = tl.load(kbase + lane, mask=lane < KP, other=SENT)
-    keys = tl.where(lane < KP, rk, tl.where(bm, _vkey(y, gid), SENT))
-    top = tl.topk(keys, KP)
-    tl.debug_barrier()  # every lane has read the running list before it is replaced
-    tl.store(kbase + tl.arange(0, KP), top)
-    tl.debug_barrier()
-
-
-@triton.jit
 def _finish_row(top, lse, row, top_lp_ptr, top_id_ptr, V, KP: tl.constexpr):
     v, gid = _unvkey(top)
     real = (top > SENT) & (gid < V)
@@ -353,7 +335,7 @@ def _seg_kernel(
     part_key_ptr,  # [B*L*NSEG, KP] int64: each segment's top-(K+1) keys (then filler), descending
     part_m_ptr,  # [B*L*NSEG] float32: segment max
     part_s_ptr,  # [B*L*NSEG] float32: sum exp(x - max)
-    scr_ptr,  # [B*L*NSEG, CS + CB] int32 scratch: candidate slots, then candidate ids
+    scr_ptr,  # [B*L*NSEG, CS] int32 scratch: candidate slots
     ticket_ptr,  # [B*L] int32, zero before the launch (NSEG > 1); left zero
     top_lp_ptr,  # [B, L, KP] float32
     top_id_ptr,  # [B, L, KP] int32
@@ -371,7 +353,6 @@ def _seg_kernel(
     NTP: tl.constexpr,  # next_pow2(tiles per segment)
     KP: tl.constexpr,
     CS: tl.constexpr,
-    CB: tl.constexpr,
     NSEGP: tl.constexpr,
     HAS_ACTIVE: tl.constexpr,
 ):
@@ -400,9 +381,9 @@ def _seg_kernel(
         # max +inf): then redo the segment sanitised
         G1, r1, s1 = _stream(row_ptr, seg_start, seg_end, OFF, G, r, s, T, False)
         m = tl.max(r1, axis=0)
-        ssum = tl.sum(tl.where(r1 > float("-inf"), s1 * tl.exp2((r1 - m) * LOG2E), 0.0), axis=0)
-        chk = tl.sum(s1, axis=0)  # NaN iff some lane's sum is
-        if (chk != chk) | (m != m) | (m == float("inf")):
+        # lanes without a finite entry add their sum (0, or NaN): the total is NaN iff a lane's is
+        ssum = tl.sum(tl.where(r1 > float("-inf"), s1 * tl.exp2((r1 - m) * LOG2E), s1), axis=0)
+        if (ssum != ssum) | (m != m) | (m == float("inf")):
             G1, r1, s1 = _stream(row_ptr, seg_start, seg_end, OFF, G, r, s, T, True)
             m = tl.max(r1, axis=0)
             ssum = tl.sum(tl.where(r1 > float("-inf"), s1 * tl.exp2((r1 - m) * LOG2E), 0.0),
@@ -423,22 +404,21 @@ def _seg_kernel(
         flags = fhi | feq
         nsl = n_hi + n_eq
         base = pid.to(tl.int64)
-        kbase = part_key_ptr + base * KP
-        sbase = scr_ptr + base * (CS + CB)
-        ebase = sbase + CS
-        tl.store(kbase + kk, tl.full([KP], SENT, tl.int64))
+        kbase = part_key_ptr + base * KP  # staged candidate keys; at the end this segment's list
+        sbase = scr_ptr + base * CS  # staged candidate slots
         NT = tl.cdiv(seg_end - seg_start, T)
         ci = tl.arange(0, CS)
         ii = tl.arange(0, NTP)
+        lst = tl.full([KP], SENT, tl.int64)  # the running top-KP keys, descending
         sb = nsl * 0
         go = nsl > 0
         while go:  # batches of CS candidate slots (one, unless many ties)
-            tl.debug_barrier()  # the previous batch's slots (and the running list) are read
+            tl.debug_barrier()  # the previous batch's slots are read
             tl.store(sbase + spos - sb, OFF, mask=flags & (spos >= sb) & (spos < sb + CS))
             tl.debug_barrier()
             inb = ci < nsl - sb
             sl = tl.load(sbase + ci, mask=inb, other=0)
-            kth = tl.load(kbase + K)  # the running (K+1)-th key
+            kth = tl.max(tl.where(kk == K, lst, SENT), axis=0)  # the running (K+1)-th key
             s0 = tl.min(tl.where(inb, sl, 2147483647), axis=0)
             stop = (sb >= n_hi) & (kth >= _vkey(t, seg_start + s0))
             if stop == 0:
@@ -446,20 +426,24 @@ def _seg_kernel(
                 gm = inb[:, None] & (ii[None, :] < NT) & (gid < seg_end)
                 y = tl.load(row_ptr + gid, mask=gm, other=float("-inf")).to(tl.float32)
                 y = tl.where(y < float("inf"), y, float("-inf"))
-                cand = gm & (y >= t) & (_vkey(y, gid) > kth)
+                key = _vkey(y, gid)
+                cand = gm & (y >= t) & (key > kth)
                 epos = _positions2(cand.to(tl.int32))
                 cnt = tl.max(tl.max(tl.where(cand, epos, -1), axis=1), axis=0) + 1
-                for q0 in range(0, cnt, CB):  # batches of CB candidate entries
-                    tl.store(ebase + epos - q0, gid, mask=cand & (epos >= q0) & (epos < q0 + CB))
-                    _merge_staged(row_ptr, ebase, kbase, q0, cnt, KP, CB)
+                for q0 in range(0, cnt, KP):  # batches of KP candidate entries
+                    tl.store(kbase + epos - q0, key, mask=cand & (epos >= q0) & (epos < q0 + KP))
+                    tl.debug_barrier()  # the staged keys are visible to every lane
+                    new = tl.load(kbase + kk, mask=kk < cnt - q0, other=SENT)
+                    lst = tl.topk(tl.reshape(tl.join(lst, new), [2 * KP]), KP)
+                    tl.debug_barrier()  # every lane has read them before the next batch
             sb += CS
             go = (sb < nsl) & (stop == 0)
-        tl.debug_barrier()  # the running list is visible to every lane
         if NSEG == 1:
             lse = tl.where(m > float("-inf"), m + tl.log(ssum), float("-inf"))
             tl.store(lse_ptr + row, lse)
-            _finish_row(tl.load(kbase + kk), lse, row, top_lp_ptr, top_id_ptr, V, KP)
+            _finish_row(lst, lse, row, top_lp_ptr, top_id_ptr, V, KP)
         else:
+            tl.store(kbase + kk, lst)
             tl.store(part_m_ptr + pid, m)
             tl.store(part_s_ptr + pid, ssum)
             tl.debug_barrier()  # this program's partials are written before its ticket
@@ -530,6 +514,7 @@ def _tree_kernel(
     HI = tl.where((slot == 0) & act, _ord0(lp00), SENT32)
     LO = tl.where(slot == 0, (62 << 21) + (1023 << 11) + 2047, 0)
     PS = tl.zeros([NP], dtype=tl.float32)  # σ of emitted nodes (root: 0)
+    NPAR = tl.zeros([NP], dtype=tl.int32)  # parent of node c + 1 (0 for padding)
     count = b * 0
     maxd = count
     last = count.to(tl.float32) - float("inf")
@@ -556,6 +541,7 @@ def _tree_kernel(
         HI = tl.where(slot == j, tl.where(has_child, _ord0(sig + lp_ch), SENT32), HI)
         LO = tl.where(slot == j, ((62 - d) << 21) + (1023 << 11) + (2047 - j), LO)
         PS = tl.where(slot == j, sig, PS)
+        NPAR = tl.where((slot == count) & ok, p, NPAR)
         tl.store(tok_b + count, tok, mask=ok)
         tl.store(par_b + count, p, mask=ok)
         tl.store(dep_b + count, d, mask=ok)
@@ -584,16 +570,16 @@ def _tree_kernel(
     tl.store(exact_ptr + b, ex)
 
     if WRITE_MASK:
-        tl.debug_barrier()  # the parents stored above are visible to every lane
         w = tl.arange(0, NWP)
         mb = b.to(tl.int64) * (budget + 1) * NW
         for r0 in range(0, budget + 1, RB):
             rows = r0 + tl.arange(0, RB)
             live = rows <= budget
             bits = _bit(rows, w) | _bit(rows * 0, w)
-            cur = rows
+            cur = tl.where(live, rows, 0)
             for _t in range(0, maxd):  # a node is at most maxd hops below the root
-                cur = tl.load(par_ptr + ob + cur - 1, mask=live & (cur > 0), other=0)
+                nxt = tl.gather(NPAR, tl.minimum(tl.maximum(cur - 1, 0), NP - 1), 0)
+                cur = tl.where(cur > 0, nxt, 0)
                 bits = bits | _bit(cur, w)
             tl.store(mask_ptr + mb + rows[:, None] * NW + w[None, :], bits,
                      mask=live[:, None] & (w[None, :] < NW))
@@ -607,6 +593,7 @@ SMALL_KP = 32  # K + 1 <= SMALL_KP: the one-pass segment kernel; larger K: chunk
 SEG_TILE = 4096  # vocab entries per thread block per step of _seg_kernel
 SEG_CTAS_PER_SM = 4  # _seg_kernel programs resident per SM (4 warps, <= 128 registers)
 SEG_MAXNREG = 128
+SEG_MIN_TILES = 4
 _SM_COUNT: dict = {}
 
 
@@ -622,10 +609,12 @@ def _sm_count(dev: torch.device) -> int:
 def _default_segment(rows: int, V: int, T: int, KP: int, slots: int) -> int:
     """Segment length (whole tiles) so that rows * segments fills the GPU's resident programs
     (`slots`) in close to whole waves: one wave when the rows alone are fewer, else the fewest
-    segments per row whose last wave is at least 85% full."""
+    segments per row whose last wave is at least 85% full; at least SEG_MIN_TILES tiles per
+    segment (a program's fixed cost, the candidate selection and the merge, is a few tiles'
+    worth of streaming)."""
     ntile = triton.cdiv(V, T)
     best = None
-    for nseg in range(1, ntile + 1):
+    for nseg in range(1, max(1, ntile // SEG_MIN_TILES) + 1):
         seg = triton.cdiv(ntile, nseg) * T
         nseg = triton.cdiv(V, seg)
         if _next_pow2(nseg) * KP > MAX_MERGE:
@@ -675,18 +664,18 @@ def _topk_segments(x, K, KP, active, chunk, chunk_warps):
     top_id = torch.empty((B, L, KP), dtype=torch.int32, device=dev)
     if rows == 0:
         return lse, top_lp, top_id
-    CS, CB = 16, KP
+    CS = 16
     P = rows * NSEG
     part_key = torch.empty((P * KP,), dtype=torch.int64, device=dev)
     part_m = torch.empty((P,), dtype=f32, device=dev)
     part_s = torch.empty((P,), dtype=f32, device=dev)
-    scr = torch.empty((P * (CS + CB),), dtype=torch.int32, device=dev)
+    scr = torch.empty((P * CS,), dtype=torch.int32, device=dev)
     ticket = torch.zeros((rows,), dtype=torch.int32, device=dev) if NSEG > 1 else scr
     _seg_kernel[(P,)](
         x, active, part_key, part_m, part_s, scr, ticket, top_lp, top_id, lse,
         L, V, x.stride(0), x.stride(1), NSEG, SEG, K,
         U=U, NTHR=NTHR, VEC=VEC, NTP=_next_pow2(triton.cdiv(min(SEG, V), T)), KP=KP, CS=CS,
-        CB=CB, NSEGP=_next_pow2(NSEG), HAS_ACTIVE=active is not None, num_warps=nw,
+        NSEGP=_next_pow2(NSEG), HAS_ACTIVE=active is not None, num_warps=nw,
         maxnreg=SEG_MAXNREG,  # the streaming loop needs < 128; the rare paths may spill
     )
     return lse, top_lp, top_id
