@@ -177,10 +177,10 @@ def correctness(dev, L, V, results, smoke):
         fin = active[:, None] & torch.isfinite(lse_t)
         lse_err = float((a.lse - lse_t)[fin].abs().max()) if inactive_ok else math.inf
         lse_err = lse_err if bool((a.lse[~torch.isfinite(lse_t)] == -math.inf).all()) else math.inf
-        # the same launch again, 5 times: bit-identical (no race in the per-row merge)
+        # the same launch again, 3 times: bit-identical (no race in the per-row merge)
         rep = all(all(torch.equal(getattr(build_tree(x, n, k, active=active), f), getattr(a, f))
                       for f in ("tokens", "parents", "topk_ids", "topk_logprobs", "lse"))
-                  for _ in range(0 if smoke else 5))
+                  for _ in range(0 if smoke else 3))
         good = all(same.values()) and lse_err < 1e-4 and rep
         log(f"[check] {kind} B={B} n={n} K={k or 'default'} V={V}: kernel==ref {all(same.values())} "
             f"{'' if all(same.values()) else same} lse max err {lse_err:.2e}; repeatable {rep}; "
@@ -202,6 +202,19 @@ def correctness(dev, L, V, results, smoke):
 # Benchmark
 # ----------------------------------------------------------------------------
 def bench(B, budgets, L, V, dev, l2, bw, read_bw, knobs, seed):
+    """One table block; knobs["seg"] = (tile, maxnreg, programs per SM) overrides the
+    segment kernel's module constants for this block (an experiment, not an argument)."""
+    seg = knobs.get("seg")
+    saved = (BT.SEG_TILE, BT.SEG_MAXNREG, BT.SEG_CTAS_PER_SM)
+    if seg:
+        BT.SEG_TILE, BT.SEG_MAXNREG, BT.SEG_CTAS_PER_SM = seg
+    try:
+        return _bench(B, budgets, L, V, dev, l2, bw, read_bw, knobs, seed)
+    finally:
+        BT.SEG_TILE, BT.SEG_MAXNREG, BT.SEG_CTAS_PER_SM = saved
+
+
+def _bench(B, budgets, L, V, dev, l2, bw, read_bw, knobs, seed):
     tm = timer(dev)
     nbytes = B * L * V * 2
     R = n_sets(nbytes, l2) if dev.type == "cuda" else 1
@@ -300,9 +313,7 @@ def main():
                  + [(b, [64], dict(topk=16)) for b in (1, 64)]
                  + [(b, [256], dict(topk=256)) for b in (1, 8)])
         if args.quick:
-            sweep = ([(1, [64], dict(chunk=c)) for c in (8192, 32768)]
-                     + [(8, [16, 64], dict(chunk=16384))]
-                     + [(b, [64], dict(topk=16)) for b in (1, 64)] + [(1, [256], dict(topk=256))])
+            sweep = [(b, [64], dict(seg=(2048, 64, 8))) for b in (64, 256)]
         if smoke:
             sweep = [(1, [16], dict(tree_warps=2, chunk=256, topk=16))]
         for B, bud, knobs in sweep:

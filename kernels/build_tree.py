@@ -280,16 +280,14 @@ def _tile_update(x, G, r, s, SANITIZE: tl.constexpr):
 
 @triton.jit
 def _stream(row_ptr, seg_start, seg_end, OFF, G, r, s, T: tl.constexpr, SANITIZE: tl.constexpr):
-    """Read the segment [seg_start, seg_end) once: full tiles unmasked, two tiles in flight
-    while the current one is reduced, then the partial tail tile masked."""
+    """Read the segment [seg_start, seg_end) once: full tiles unmasked (the next one in flight
+    while the current one is reduced), then the partial tail tile masked."""
     nfull = (seg_end - seg_start) // T
-    xa = tl.load(row_ptr + seg_start + OFF, mask=nfull > 0)
-    xb = tl.load(row_ptr + (seg_start + T) + OFF, mask=nfull > 1)
+    xn = tl.load(row_ptr + seg_start + OFF, mask=nfull > 0)
     pos = seg_start
     for i in range(0, nfull):
-        x = xa
-        xa = xb
-        xb = tl.load(row_ptr + (pos + 2 * T) + OFF, mask=i + 2 < nfull)
+        x = xn
+        xn = tl.load(row_ptr + (pos + T) + OFF, mask=i + 1 < nfull)
         G, r, s = _tile_update(x.to(tl.float32), G, r, s, SANITIZE)
         pos += T
     if pos < seg_end:
@@ -514,7 +512,6 @@ def _tree_kernel(
     HI = tl.where((slot == 0) & act, _ord0(lp00), SENT32)
     LO = tl.where(slot == 0, (62 << 21) + (1023 << 11) + 2047, 0)
     PS = tl.zeros([NP], dtype=tl.float32)  # σ of emitted nodes (root: 0)
-    NPAR = tl.zeros([NP], dtype=tl.int32)  # parent of node c + 1 (0 for padding)
     count = b * 0
     maxd = count
     last = count.to(tl.float32) - float("inf")
@@ -541,7 +538,6 @@ def _tree_kernel(
         HI = tl.where(slot == j, tl.where(has_child, _ord0(sig + lp_ch), SENT32), HI)
         LO = tl.where(slot == j, ((62 - d) << 21) + (1023 << 11) + (2047 - j), LO)
         PS = tl.where(slot == j, sig, PS)
-        NPAR = tl.where((slot == count) & ok, p, NPAR)
         tl.store(tok_b + count, tok, mask=ok)
         tl.store(par_b + count, p, mask=ok)
         tl.store(dep_b + count, d, mask=ok)
@@ -570,16 +566,16 @@ def _tree_kernel(
     tl.store(exact_ptr + b, ex)
 
     if WRITE_MASK:
+        tl.debug_barrier()  # the parents stored above are visible to every lane
         w = tl.arange(0, NWP)
         mb = b.to(tl.int64) * (budget + 1) * NW
         for r0 in range(0, budget + 1, RB):
             rows = r0 + tl.arange(0, RB)
             live = rows <= budget
             bits = _bit(rows, w) | _bit(rows * 0, w)
-            cur = tl.where(live, rows, 0)
+            cur = rows
             for _t in range(0, maxd):  # a node is at most maxd hops below the root
-                nxt = tl.gather(NPAR, tl.minimum(tl.maximum(cur - 1, 0), NP - 1), 0)
-                cur = tl.where(cur > 0, nxt, 0)
+                cur = tl.load(par_ptr + ob + cur - 1, mask=live & (cur > 0), other=0)
                 bits = bits | _bit(cur, w)
             tl.store(mask_ptr + mb + rows[:, None] * NW + w[None, :], bits,
                      mask=live[:, None] & (w[None, :] < NW))
