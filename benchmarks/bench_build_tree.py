@@ -313,7 +313,9 @@ def main():
                  + [(b, [64], dict(topk=16)) for b in (1, 64)]
                  + [(b, [256], dict(topk=256)) for b in (1, 8)])
         if args.quick:
-            sweep = [(b, [64], dict(seg=(2048, 64, 8))) for b in (64, 256)]
+            sweep = ([(b, [64], dict(topk=16)) for b in (1, 64)] + [(1, [256], dict(topk=256))]
+                     # not yet measured: 2048-entry tiles, 64 registers, 8 programs per SM
+                     + [(b, [64], dict(seg=(2048, 64, 8))) for b in (64, 256)])
         if smoke:
             sweep = [(1, [16], dict(tree_warps=2, chunk=256, topk=16))]
         for B, bud, knobs in sweep:

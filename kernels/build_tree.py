@@ -1,29 +1,35 @@
 """Triton kernels and host wrapper for the DDTree tree builder (paper Algorithm 1).
 
 ``build_tree(draft_logits [B, L, V], budget)`` turns the drafter's per-position logits into a
-batch of draft trees of ``budget`` nodes each, entirely on the device (three launches, static
-grids, no host synchronisation: CUDA-graph capturable). The contract is the reference's
+batch of draft trees of ``budget`` nodes each, entirely on the device (static grids, no host
+synchronisation: CUDA-graph capturable). The contract is the reference's
 (``kernels/tree_reference.py``, ``docs/tree-builder.md``); the kernels reproduce it bit for bit
 given the same per-row logsumexp.
 
-Kernels:
+Stage 1 (per-row logsumexp and top-(K+1), one read of the logits), K + 1 <= SMALL_KP:
 
-* ``_chunk_kernel`` -- grid (B*L, cdiv(V, CHUNK)). Reads one vocab chunk of one row once:
-  online logsumexp partials (max, sum of exp) and the chunk's exact top-KP entries. The top-KP
-  are found without sorting the chunk: t = the smallest of KP column maxima is a lower bound of
-  the chunk's KP-th largest value (KP distinct columns each hold a value >= t), so only entries
-  >= t are candidates (about KP*ln(KP) of them for noise-like logits). They are compacted with a
-  prefix sum into a small per-program scratch and reduced with ``tl.topk`` on packed keys (value,
-  then lower id: int32 for bf16/fp16 logits, int64 for fp32), in batches of CAPT - KP candidates
-  (one batch unless many exact ties).
-* ``_merge_kernel`` -- grid (B*L,). Merges the chunks' (max, sum) into the row's logsumexp and
-  their top-KP lists into the row's sorted top-KP (token ids and logprobs = logit - lse).
-* ``_tree_kernel`` -- grid (B,). Best-first expansion in registers: the frontier holds at most
-  one candidate per emitted node (that node's next unexpanded child), as a vector of packed int64
-  keys ordered exactly like the reference heap (σ, then lower depth, lower rank, lower parent),
-  so each pop is one max-reduction; the pop writes the node and updates two frontier slots
-  (the parent's next sibling, the new node's first child). Then padding, the ``exact``
-  certificate and the ancestor bit rows.
+* ``_seg_kernel`` -- grid (B*L*NSEG,), 4 warps. A program streams one vocab segment of one row
+  in 4096-entry tiles (16-byte loads, the next tile in flight), keeping per lane an online
+  (max, sum of exp) and per slot (position within the tile) the running maximum G. Then
+  t = the (K+1)-th largest lane maximum (K+1 distinct entries are >= t), so the segment's
+  top-(K+1) lie in the few slots with G >= t: their entries are gathered (one strided load per
+  tile), keyed (value, then lower id, int64) and merged into a running top-KP list with
+  ``tl.topk``. NaN / +inf are not sanitised on the fast path: they make a lane's sum NaN (or
+  the max +inf), and the segment is then read again sanitised. Many exact ties at t are taken
+  in batches of slots in id order, stopping once no later slot can enter the list. With
+  NSEG > 1 segments per row the last program to finish (an atomic ticket) merges the row.
+* ``_chunk_kernel`` + ``_merge_kernel`` -- the large-K path (K + 1 > SMALL_KP, up to 1023):
+  grid (B*L, cdiv(V, CHUNK)) chunk programs find each chunk's top-KP with a column-maxima
+  threshold, a prefix-sum compaction and ``tl.topk``; the merge kernel combines them per row.
+
+Stage 2:
+
+* ``_tree_kernel`` -- grid (B,), 1 warp. Best-first expansion in registers: the frontier holds
+  at most one candidate per emitted node (that node's next unexpanded child), as int32 keys
+  HI = ord(σ) and LO = (63 - depth, 1023 - rank, 2047 - parent) bit fields, ordered exactly
+  like the reference heap; a pop is two int32 max reductions (REDUX on sm_80+), then two slot
+  updates (the parent's next sibling, the new node's first child). Then padding, the
+  ``exact`` certificate and the ancestor bit rows (max-depth parent hops per row block).
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ import triton.language as tl
 
 from .tree_reference import DraftTree, check_build_args
 
-DEFAULT_CHUNK = 4096  # 4 warps, 96 registers: 5 programs per SM on sm_90
+DEFAULT_CHUNK = 4096  # large-K path: vocab entries per _chunk_kernel program
 MAX_MERGE = 16384  # keys one _merge_kernel program sorts (16 warps; 128 KiB of shared memory)
 
 # NOTE: module constants must be tl.constexpr instances for the compiler.
@@ -45,8 +51,6 @@ SENT = tl.constexpr(-9223372036854775808)  # below every key
 SENT32 = tl.constexpr(-2147483648)  # below every 32-bit key
 LOG2E = tl.constexpr(1.4426950408889634)
 ORD_NEG_INF = tl.constexpr(-2139095041)  # _ord(-inf)
-# tree-key low bits: (63 - depth) << 21 | (1023 - rank) << 11 | (2047 - parent)
-LOW_MASK = tl.constexpr(134217727)  # 2**27 - 1
 
 
 @triton.jit
@@ -588,8 +592,8 @@ def _next_pow2(x: int) -> int:
 SMALL_KP = 32  # K + 1 <= SMALL_KP: the one-pass segment kernel; larger K: chunk + merge kernels
 SEG_TILE = 4096  # vocab entries per thread block per step of _seg_kernel
 SEG_CTAS_PER_SM = 4  # _seg_kernel programs resident per SM (4 warps, <= 128 registers)
-SEG_MAXNREG = 128
-SEG_MIN_TILES = 4
+SEG_MAXNREG = 128  # register cap: the streaming loop fits; the rare paths may spill
+SEG_MIN_TILES = 4  # tiles per segment at least (the default segmentation)
 _SM_COUNT: dict = {}
 
 
@@ -756,10 +760,11 @@ def build_tree(
     ``budget`` n nodes per request, ``topk`` K per depth (default ``min(budget, 8)``),
     ``active`` bool [B] (False: the request gets an all-padding tree, e.g. in prefill; pass the
     static max_num_reqs batch with the unused rows False), ``ancestor_mask`` (compute the bit
-    rows). Returns a :class:`DraftTree`; three launches, no host synchronisation, static shapes.
-    Tuning (results do not depend on them): ``chunk`` (vocab entries per stage-1 program, a
-    power of two >= 2*next_pow2(K+1)), ``chunk_warps``, ``tree_warps``, ``mask_block`` (ancestor
-    rows per step, a power of two).
+    rows). Returns a :class:`DraftTree`; no host synchronisation, static shapes; two launches
+    for K + 1 <= 32 (plus a 4-byte-per-row memset when rows are split into segments), three
+    for larger K. Tuning (results do not depend on them): ``chunk`` (vocab entries per stage-1
+    program, a power of two >= 2*next_pow2(K+1)), ``chunk_warps`` (stage-1 warps),
+    ``tree_warps``, ``mask_block`` (ancestor rows per step, a power of two).
     """
     B, L, V, n, K = check_build_args(draft_logits, budget, topk, active)
     lse, top_lp, top_id = draft_topk(draft_logits, K, active=active, chunk=chunk,
