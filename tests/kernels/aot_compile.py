@@ -1,4 +1,4 @@
-"""AOT-compile every tree_verify and build_tree kernel for NVIDIA targets without a GPU.
+"""AOT-compile every tree_verify, build_tree and tree-step kernel for NVIDIA targets without a GPU.
 
 Run as a script in a process WITHOUT ``TRITON_INTERPRET`` (the @triton.jit
 decorator picks interpreter mode at import time). Prints one line per compiled
@@ -29,6 +29,8 @@ import importlib  # noqa: E402
 # NOTE: the package attributes `tree_verify`/`build_tree` are the functions; take the modules.
 K = importlib.import_module("ddtree_patcher.kernels.tree_verify")
 BT = importlib.import_module("ddtree_patcher.kernels.build_tree")
+TA = importlib.import_module("ddtree_patcher.kernels.tree_attention")
+KC = importlib.import_module("ddtree_patcher.kernels.kv_compact")
 
 
 def _sig(fn, types, consts):
@@ -147,10 +149,52 @@ def variants():
         NUM_VBLOCKS=38, BLOCK_VB=64, ALL_SAMPLED=False), 0
 
 
-def main(archs):
+# ---- tree-shaped target step (issue 13): kept apart from variants() so merges stay easy ----
+TREE_ATTN_PTRS = dict(
+    q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", out_ptr="*bf16", lse_ptr="*fp32",
+    ctx_out_ptr="*bf16", ctx_lse_ptr="*fp32", block_table_ptr="*i32", qsl_ptr="*i32",
+    ctx_len_ptr="*i32", mask_ptr="*i32", req_mask_ptr="*i1", qk_scale="fp32",
+    **{s: "i32" for s in ("s_qt", "s_qh", "s_qd", "s_kb", "s_ko", "s_kh", "s_kd", "s_vb", "s_vo",
+                          "s_vh", "s_vd", "s_ot", "s_oh", "s_od", "s_lh", "s_lt", "s_cot",
+                          "s_coh", "s_cod", "s_clh", "s_clt", "s_btr", "s_mr", "s_mn", "s_mw",
+                          "block_size", "W")},
+)
+MOVE_PTRS = dict(
+    ptr_table="*i64", slot_ptr="*i32", qsl_ptr="*i32", rows_ptr="*i32", nacc_ptr="*i32",
+    pos_ptr="*i64", s_rows="i32", s_blk="i64", s_off="i64", s_h="i64", s_x="i64",
+    block_size="i32", W="i32",
+)
+
+
+def tree_step_variants():
+    """What the integration and bench_tree_step.py launch: Qwen3-8B shape (G = 4, D = 128),
+    n in {16, 64} (BLOCK_T 32 / 64), the three context modes; the compaction/gather kernel for
+    bf16 / fp8 / fp32 caches and hidden rows."""
+    import triton.language as tl
+    for dt in ("*bf16", "*fp16", "*fp32"):
+        for mode, lse, rmask in ((1, False, False), (2, True, False), (2, False, True), (0, True, False)):
+            if dt != "*bf16" and mode != 2:
+                continue
+            for bt in (32, 64):
+                types = dict(TREE_ATTN_PTRS, q_ptr=dt, k_ptr=dt, v_ptr=dt, out_ptr=dt, ctx_out_ptr=dt)
+                yield (f"tree_attention {dt[1:]} mode={mode} lse={lse} req_mask={rmask} BLOCK_T={bt}",
+                       TA._tree_attention_kernel, types, dict(
+                           G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, BLOCK_T=bt,
+                           CTX_MODE=mode, WRITE_LSE=lse, HAS_REQ_MASK=rmask,
+                           DOT_PREC="ieee" if dt == "*fp32" else "tf32", DOT_UPCAST=False), 0)
+    for elt, name in ((tl.int16, "bf16"), (tl.int8, "fp8"), (tl.int32, "fp32")):
+        yield f"move_rows kv {name}", KC._move_rows_kernel, MOVE_PTRS, dict(
+            pos_ptr=None, X=256, NE=2048, ELT=elt, BLOCK_W=32, CHUNK=1024, HAS_SLOTS=True,
+            HAS_POS=False), 0
+    yield "move_rows hidden+positions", KC._move_rows_kernel, MOVE_PTRS, dict(
+        slot_ptr=None, X=4096, NE=4096, ELT=tl.int16, BLOCK_W=64, CHUNK=1024, HAS_SLOTS=False,
+        HAS_POS=True), 0
+
+
+def _compile_all(archs, gen):
     n = 0
     for arch in archs:
-        for name, fn, types, consts, opts in variants():
+        for name, fn, types, consts, opts in gen():
             consts = {k: v for k, v in consts.items() if v != "keep"}
             opts = dict(opts) if isinstance(opts, dict) else {}
             div = opts.pop("div", ())
@@ -162,7 +206,12 @@ def main(archs):
             assert k.asm.get("cubin"), name
             print(f"sm_{arch} {name}: cubin {len(k.asm['cubin'])} B, shared {k.metadata.shared}")
             n += 1
-    print(f"AOT OK: {n} variants")
+    return n
+
+
+def main(archs):
+    print(f"AOT OK: {_compile_all(archs, variants)} variants")
+    print(f"AOT OK (tree step): {_compile_all(archs, tree_step_variants)} variants")
 
 
 if __name__ == "__main__":
