@@ -68,7 +68,9 @@ def _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, blk, off, kv_ok, visible, kvh, 
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["block_size", "W"])
+# Per-step sizes (block size, W, T-dependent LSE strides, block-table / mask row strides) are not
+# specialised: batch size and tree width would otherwise each JIT a new variant.
+@triton.jit(do_not_specialize=["block_size", "W", "s_lh", "s_clh", "s_btr", "s_mr", "s_mn"])
 def _tree_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, ctx_out_ptr, ctx_lse_ptr,
     block_table_ptr, qsl_ptr, ctx_len_ptr, mask_ptr, req_mask_ptr,

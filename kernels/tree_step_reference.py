@@ -32,7 +32,7 @@ import torch
 def unpack_mask_rows(mask: torch.Tensor, n_rows: int) -> torch.Tensor:
     """bool [n_rows, n_rows] visibility of one request from its ``[W, NW]`` int32 bit rows."""
     m = mask[:n_rows].to(torch.int64) & 0xFFFFFFFF
-    cols = torch.arange(n_rows)
+    cols = torch.arange(n_rows, device=mask.device)
     words = m[:, cols // 32]
     return ((words >> (cols % 32)) & 1).bool()
 
@@ -77,8 +77,8 @@ def tree_attention_ref(q, k_cache, v_cache, block_table, query_start_loc, contex
     [Hq, T])``; rows outside the requests (or of requests with ``request_mask`` 0) are 0 / -inf."""
     T, Hq, D = q.shape
     B = num_reqs if num_reqs is not None else query_start_loc.numel() - 1
-    out = torch.zeros(T, Hq, D, dtype=torch.float32)
-    lse = torch.full((Hq, T), -math.inf, dtype=torch.float32)
+    out = torch.zeros(T, Hq, D, dtype=torch.float32, device=q.device)
+    lse = torch.full((Hq, T), -math.inf, dtype=torch.float32, device=q.device)
     qsl = query_start_loc.tolist()
     ctx_l = context_lens.tolist()
     for r in range(B):
@@ -88,10 +88,10 @@ def tree_attention_ref(q, k_cache, v_cache, block_table, query_start_loc, contex
         n = qe - qs
         if n == 0:
             continue
-        pos = torch.arange(ctx + n)
+        pos = torch.arange(ctx + n, device=q.device)
         k = _gather_positions(k_cache, block_table[r], pos)
         v = _gather_positions(v_cache, block_table[r], pos)
-        visible = torch.zeros(n, ctx + n, dtype=torch.bool)
+        visible = torch.zeros(n, ctx + n, dtype=torch.bool, device=q.device)
         visible[:, :ctx] = True
         visible[:, ctx:] = unpack_mask_rows(ancestor_mask[r], n)
         o, l_ = _attend(q[qs:qe], k, v, visible, softmax_scale)
@@ -106,17 +106,17 @@ def causal_attention_ref(q, k_cache, v_cache, block_table, query_start_loc, cont
     ``0 .. ctx + i`` (FlashAttention's bottom-right causal mask over ``seq_len = ctx + q_len``)."""
     T, Hq, D = q.shape
     B = query_start_loc.numel() - 1
-    out = torch.zeros(T, Hq, D, dtype=torch.float32)
+    out = torch.zeros(T, Hq, D, dtype=torch.float32, device=q.device)
     qsl, ctx_l = query_start_loc.tolist(), context_lens.tolist()
     for r in range(B):
         qs, qe, ctx = qsl[r], qsl[r + 1], ctx_l[r]
         n = qe - qs
         if n == 0:
             continue
-        pos = torch.arange(ctx + n)
+        pos = torch.arange(ctx + n, device=q.device)
         k = _gather_positions(k_cache, block_table[r], pos)
         v = _gather_positions(v_cache, block_table[r], pos)
-        visible = pos[None, :] <= (ctx + torch.arange(n))[:, None]
+        visible = pos[None, :] <= (ctx + torch.arange(n, device=q.device))[:, None]
         o, _ = _attend(q[qs:qe], k, v, visible, softmax_scale)
         out[qs:qe] = o.float()
     return out
@@ -132,18 +132,18 @@ def context_attention_ref(q, k_cache, v_cache, block_table, query_start_loc, con
     ``empty_fill`` (FlashAttention leaves them undefined; NaN makes a test catch any use)."""
     T, Hq, D = q.shape
     B = query_start_loc.numel() - 1
-    out = torch.full((T, Hq, D), empty_fill, dtype=q.dtype)
-    lse = torch.full((Hq, T), -math.inf, dtype=torch.float32)
+    out = torch.full((T, Hq, D), empty_fill, dtype=q.dtype, device=q.device)
+    lse = torch.full((Hq, T), -math.inf, dtype=torch.float32, device=q.device)
     qsl, ctx_l = query_start_loc.tolist(), context_lens.tolist()
     for r in range(B):
         qs, qe, ctx = qsl[r], qsl[r + 1], ctx_l[r]
         n = qe - qs
         if n == 0 or ctx == 0:
             continue
-        pos = torch.arange(ctx)
+        pos = torch.arange(ctx, device=q.device)
         k = _gather_positions(k_cache, block_table[r], pos)
         v = _gather_positions(v_cache, block_table[r], pos)
-        o, l_ = _attend(q[qs:qe], k, v, torch.ones(n, ctx, dtype=torch.bool), softmax_scale)
+        o, l_ = _attend(q[qs:qe], k, v, torch.ones(n, ctx, dtype=torch.bool, device=q.device), softmax_scale)
         out[qs:qe] = o.to(q.dtype)
         lse[:, qs:qe] = l_.float()
     return out, lse
@@ -197,4 +197,5 @@ def gather_accepted_rows_ref(tensors: Sequence[torch.Tensor], query_start_loc, a
         for r in range(B):
             n = min(qsl[r + 1] - qsl[r], W)
             if n > 0:
-                positions[qsl[r]:qsl[r] + n] = positions[qsl[r]] + torch.arange(n, dtype=positions.dtype)
+                positions[qsl[r]:qsl[r] + n] = positions[qsl[r]] + torch.arange(n, dtype=positions.dtype,
+                                                                          device=positions.device)
