@@ -1,0 +1,590 @@
+#!/usr/bin/env python3
+"""Benchmark the tree-shaped target step's kernels on a GPU (issue 13; design: docs/tree-step.md).
+
+Dense bf16 Qwen3-8B attention shape (32 q heads, 8 KV heads, head_dim 128), paged KV in vLLM
+0.26's FlashAttention layout (logical (nb, H, bs, 2D), stored (nb, bs, H, 2D), block size 16).
+
+1. Correctness on the device: ``tree_attention`` (context + tree, one kernel) and, if vLLM's FA3
+   is importable, FA3's context pass (``causal=False``, ``seqused_k = context_lens``,
+   ``return_softmax_lse``) + ``tree_attention_merge`` in place, against an fp32 dense reference
+   with the explicit ``[q_len, ctx + q_len]`` mask, on random trees, context 1K / 16K (tree keys
+   are drawn larger so that the mask matters; "sens" is how far a wrong, causal mask would be);
+   FA3's context ``softmax_lse`` against the reference (layout / units); a chain-shaped tree ==
+   causal attention (reference, and FA3's own causal call: the max difference is reported);
+   ``KVCompactor`` (36-layer-style pointer table, bf16 and fp8) and ``RowGatherer`` == the
+   references bit for bit.
+2. Timing, CUDA-graph replay medians (block tables rotated over disjoint blocks so one replay
+   reads > 2x L2): B in {1, 8, 32}, n in {16, 64}, context 1K / 16K: the chain step's attention
+   (FA3 causal over ``ctx + n + 1`` keys, ``n + 1`` query rows; AOT scheduler metadata and
+   ``num_splits = 32`` as vLLM's FULL graphs call it), tree attention = FA3 context pass + merge,
+   the FA3 context pass alone, the tree pass + merge alone, and the one-kernel mode; compaction
+   of 36 layers and the drafter-row gather at B = 32.
+3. Prints a table, writes ``--out`` JSON (default ``$OUT/bench_tree_step.json``), ends with
+   ``TREE-STEP-BENCH ok`` or ``TREE-STEP-BENCH FAIL <what>``.
+
+Without vLLM (no FA3) the FA columns read n/a and the rest runs (torch + Triton only).
+``--smoke``: the same code on the CPU under the Triton interpreter, tiny shapes, the FA3 calls
+replaced by a dense emulation (wall clock instead of CUDA graphs). From the repository root:
+``PYTHONPATH=.:<site with vllm> python benchmarks/bench_tree_step.py --out x.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import os
+import pathlib
+import statistics
+import sys
+import time
+import traceback
+
+SMOKE = "--smoke" in sys.argv
+if SMOKE:  # must precede the first triton import
+    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+
+import torch  # noqa: E402
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+K = importlib.import_module("ddtree_patcher.kernels")
+R = importlib.import_module("ddtree_patcher.kernels.tree_step_reference")
+
+NUM_LAYERS = 36
+FA_SPLITS = 32  # vLLM's attention_config.flash_attn_max_num_splits_for_cuda_graph default
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+# ----------------------------------------------------------------------------
+# Trees
+# ----------------------------------------------------------------------------
+def random_parents(n, gen, chain=False):
+    if chain:
+        return list(range(n))
+    return [int(torch.randint(0, j, (1,), generator=gen)) for j in range(1, n + 1)]
+
+
+def ancestor_dense(parents, W):
+    m = torch.zeros(W, W, dtype=torch.bool)
+    m[0, 0] = True
+    for j, p in enumerate(parents, start=1):
+        m[j] = m[p]
+        m[j, j] = True
+    return m
+
+
+def random_walk(parents, gen):
+    children = {}
+    for j, p in enumerate(parents, start=1):
+        children.setdefault(p, []).append(j)
+    path = [0]
+    while children.get(path[-1]) and float(torch.rand(1, generator=gen)) > 0.1:
+        ch = children[path[-1]]
+        path.append(ch[int(torch.randint(0, len(ch), (1,), generator=gen))])
+    return path
+
+
+# ----------------------------------------------------------------------------
+# A step: paged KV in the FA 0.26 layout, B requests of n + 1 rows, random trees
+# ----------------------------------------------------------------------------
+class Cache:
+    """One layer's KV: physical (nb, bs, H, 2D), logical (nb, H, bs, 2D) as vLLM 0.26 allocates."""
+
+    def __init__(self, nb, bs, H, D, dtype, dev):
+        self.phys = torch.randn(nb, bs, H, 2 * D, device=dev, dtype=torch.float32 if dev.type == "cpu"
+                                else dtype).to(dtype)
+        self.kv_cache = self.phys.transpose(1, 2)
+        self.k, self.v = K.kv_views(self.kv_cache, "fa-nbhbs2d", D)
+        self.nb, self.bs = nb, bs
+
+
+class Step:
+    def __init__(self, cache, B, n, ctx, Hq, dev, gen, sets=1, chain=False, tree_key_scale=1.0):
+        bs, D = cache.bs, cache.k.shape[-1]
+        self.B, self.n, self.ctx, self.W, self.bs, self.k_heads = B, n, ctx, n + 1, bs, cache.k.shape[2]
+        self.blocks = math.ceil((ctx + n + 1) / bs)
+        need = sets * B * self.blocks
+        assert need <= cache.nb, f"cache too small: {need} > {cache.nb} blocks"
+        perm = torch.randperm(cache.nb, generator=gen)[:need].to(torch.int32)
+        self.block_tables = [perm[i * B * self.blocks:(i + 1) * B * self.blocks].view(B, self.blocks)
+                             .contiguous().to(dev) for i in range(sets)]
+        self.bt = self.block_tables[0]
+        T = B * (n + 1)
+        self.T = T
+        self.qsl_list = [r * (n + 1) for r in range(B + 1)]
+        self.qsl = torch.tensor(self.qsl_list, dtype=torch.int32, device=dev)
+        self.ctx_lens = torch.full((B,), ctx, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.full((B,), ctx + n + 1, dtype=torch.int32, device=dev)
+        self.q = torch.randn(T, Hq, D, generator=gen).to(cache.k.dtype).to(dev)
+        self.parents = [random_parents(n, gen, chain) for _ in range(B)]
+        self.dense = [ancestor_dense(p, n + 1) for p in self.parents]
+        self.mask = R.pack_mask(torch.stack(self.dense)).to(dev)
+        self.dense = [d.to(dev) for d in self.dense]
+        self.scale = D ** -0.5
+        bt = self.bt.cpu()
+        slots = [int(bt[r, (ctx + j) // bs]) * bs + (ctx + j) % bs for r in range(B) for j in range(n + 1)]
+        self.slot_mapping = torch.tensor(slots, dtype=torch.int64, device=dev)
+        if tree_key_scale != 1.0:  # tree keys larger than context keys: the mask matters
+            s = self.slot_mapping
+            cache.k[s // bs, s % bs] = (cache.k[s // bs, s % bs].float() * tree_key_scale).to(cache.k.dtype)
+
+    def args(self, cache, i=0):
+        return (self.q, cache.k, cache.v, self.block_tables[i], self.qsl, self.ctx_lens, self.mask,
+                self.scale)
+
+
+def dense_ref(q, k, v, bt, qsl, kv_len, scale, *, ctx=None, masks=None, causal=False):
+    """fp32 attention per request on q's device: queries qsl[r]..qsl[r+1] over positions
+    0..kv_len[r]-1; ``masks[r]`` (bool [nq, nq]) limits the keys at ctx[r].. (tree); ``causal``:
+    bottom-right causal. Returns (out fp32 [T, Hq, D], lse fp32 [Hq, T]); other rows 0 / -inf."""
+    T, Hq, D = q.shape
+    G = Hq // k.shape[2]
+    bs = k.shape[1]
+    out = torch.zeros(T, Hq, D, dtype=torch.float32, device=q.device)
+    lse = torch.full((Hq, T), -math.inf, dtype=torch.float32, device=q.device)
+    for r in range(len(qsl) - 1):
+        qs, qe, L = qsl[r], qsl[r + 1], kv_len[r]
+        nq = qe - qs
+        if nq == 0 or L == 0:
+            continue
+        pos = torch.arange(L, device=q.device)
+        blk = bt[r, pos // bs].long()
+        kk = k[blk, pos % bs].float().repeat_interleave(G, dim=1)  # [L, Hq, D]
+        vv = v[blk, pos % bs].float().repeat_interleave(G, dim=1)
+        s = torch.einsum("mhd,nhd->hmn", q[qs:qe].float(), kk) * scale
+        vis = torch.ones(nq, L, dtype=torch.bool, device=q.device)
+        if causal:
+            vis = pos[None, :] <= (L - nq + torch.arange(nq, device=q.device))[:, None]
+        if masks is not None:
+            vis[:, ctx[r]:ctx[r] + nq] = masks[r]
+        s = s.masked_fill(~vis[None], -math.inf)
+        lse[:, qs:qe] = torch.logsumexp(s, dim=-1)
+        out[qs:qe] = torch.einsum("hmn,nhd->mhd", torch.softmax(s, dim=-1), vv)
+    return out, lse
+
+
+# ----------------------------------------------------------------------------
+# FlashAttention 3 (vLLM's bundle) or, in --smoke, a dense emulation with the same calls
+# ----------------------------------------------------------------------------
+class FA3:
+    name = "FA3"
+
+    def __init__(self, varlen, sched):
+        self.varlen, self.sched = varlen, sched
+
+    def metadata(self, st, causal):
+        """vLLM's AOT scheduler metadata for one call shape (FULL-graph style); None if it fails."""
+        try:
+            kv = st.seq_lens if causal else st.ctx_lens
+            return self.sched(batch_size=st.B, max_seqlen_q=st.n + 1,
+                              max_seqlen_k=st.ctx + (st.n + 1 if causal else 0),
+                              num_heads_q=st.q.shape[1], num_heads_kv=st.k_heads, headdim=st.q.shape[2],
+                              cache_seqlens=kv, qkv_dtype=st.q.dtype, cu_seqlens_q=st.qsl,
+                              page_size=st.bs, causal=causal, window_size=(-1, -1),
+                              num_splits=FA_SPLITS)
+        except Exception as exc:  # noqa: BLE001
+            log(f"[fa] get_scheduler_metadata failed ({exc!r}); calling without it")
+            return None
+
+    def call(self, st, cache, i, causal, out, meta, lse=False):
+        return self.varlen(q=st.q, k=cache.k, v=cache.v, max_seqlen_q=st.n + 1, cu_seqlens_q=st.qsl,
+                           max_seqlen_k=st.ctx + (st.n + 1 if causal else 0),
+                           seqused_k=st.seq_lens if causal else st.ctx_lens,
+                           softmax_scale=st.scale, causal=causal, block_table=st.block_tables[i],
+                           return_softmax_lse=lse, out=out, scheduler_metadata=meta,
+                           num_splits=FA_SPLITS if meta is not None else 0, fa_version=3)
+
+
+class EmulatedFA(FA3):
+    name = "emulated FA (dense fp32)"
+
+    def __init__(self):
+        pass
+
+    def metadata(self, st, causal):
+        return None
+
+    def call(self, st, cache, i, causal, out, meta, lse=False):
+        kv = [st.ctx + (st.n + 1 if causal else 0)] * st.B
+        o, l_ = dense_ref(st.q, cache.k, cache.v, st.block_tables[i], st.qsl_list, kv, st.scale,
+                          causal=causal)
+        out.copy_(o.to(out.dtype))
+        return (out, l_) if lse else out
+
+
+def load_fa(smoke):
+    if smoke:
+        return EmulatedFA(), "smoke: FA3 emulated by a dense fp32 reference"
+    t0 = time.time()
+    try:
+        from vllm.vllm_flash_attn import flash_attn_interface as fai
+        import vllm
+        if not fai.FA3_AVAILABLE:
+            return None, f"vLLM {vllm.__version__}: FA3 unavailable ({fai.FA3_UNAVAILABLE_REASON})"
+        return (FA3(fai.flash_attn_varlen_func, fai.get_scheduler_metadata),
+                f"vLLM {vllm.__version__} FA3 from {fai.__file__} (import {time.time() - t0:.1f}s)")
+    except Exception as exc:  # noqa: BLE001
+        return None, f"vllm.vllm_flash_attn not importable: {exc!r}"
+
+
+# ----------------------------------------------------------------------------
+# Timing
+# ----------------------------------------------------------------------------
+def graph_time(calls, budget_s=0.25):
+    """Median µs per closure of a CUDA graph that runs every closure in `calls` once."""
+    for c in calls:  # warm up / JIT outside the graph
+        c()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    g.replay()
+    st.record()
+    g.replay()
+    en.record()
+    en.synchronize()
+    first_us = st.elapsed_time(en) * 1e3
+    reps = int(min(300, max(15, budget_s * 1e6 / max(first_us, 1.0))))
+    ts = []
+    for _ in range(reps):
+        st.record()
+        g.replay()
+        en.record()
+        en.synchronize()
+        ts.append(st.elapsed_time(en) * 1e3 / len(calls))
+    del g
+    return statistics.median(ts)
+
+
+def wall_time(calls, budget_s=0.0):
+    t0 = time.perf_counter()
+    for c in calls:
+        c()
+    return (time.perf_counter() - t0) * 1e6 / len(calls)
+
+
+def n_sets(bytes_per_set, l2, max_r=32):
+    return max(1, min(max_r, math.ceil(2.0 * l2 / max(bytes_per_set, 1)))) if l2 else 1
+
+
+# ----------------------------------------------------------------------------
+# Checks
+# ----------------------------------------------------------------------------
+def _rel(got, ref):
+    return ((got.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+
+
+def check_attention(cache, fa, dev, cfg, Hq, results):
+    """Random trees and a chain at each context: one-kernel, FA3 context + merge, FA3's lse."""
+    ok = True
+    gen = torch.Generator().manual_seed(1)
+    ctx_pass = fa if fa is not None else EmulatedFA()  # without FA3 the merge still gets checked
+    for ctx, B, n, chain in cfg:
+        name = f"attn ctx={ctx} B={B} n={n}" + (" chain" if chain else "")
+        row = dict(check=name, ctx_pass=ctx_pass.name)
+        try:
+            st = Step(cache, B, n, ctx, Hq, dev, gen, chain=chain, tree_key_scale=3.0)
+            kv = [ctx + n + 1] * B
+            ref, rlse = dense_ref(st.q, cache.k, cache.v, st.bt, st.qsl_list, kv, st.scale,
+                                  ctx=[ctx] * B, masks=st.dense)
+            causal, _ = dense_ref(st.q, cache.k, cache.v, st.bt, st.qsl_list, kv, st.scale, causal=True)
+            row["sens"] = _rel(causal, ref)  # what a causal mask over the nodes would get wrong
+            out, lse = K.tree_attention(*st.args(cache), return_lse=True)
+            row["one_kernel_rel_err"] = _rel(out, ref)
+            row["one_kernel_lse_err"] = (lse - rlse).abs().max().item()
+            good = row["one_kernel_rel_err"] <= 2e-2 and row["one_kernel_lse_err"] <= 2e-2
+            meta = ctx_pass.metadata(st, causal=False)
+            o = torch.empty_like(st.q)
+            o, l_ = ctx_pass.call(st, cache, 0, False, o, meta, lse=True)
+            cref, clse = dense_ref(st.q, cache.k, cache.v, st.bt, st.qsl_list, [ctx] * B, st.scale)
+            row["fa_ctx_lse_shape"] = list(l_.shape)
+            row["fa_ctx_lse_err"] = (l_[:, :st.T] - clse).abs().max().item()
+            row["fa_ctx_rel_err"] = _rel(o, cref)
+            K.tree_attention_merge(*st.args(cache), o, l_, out=o)
+            row["merge_rel_err"] = _rel(o, ref)
+            good = good and row["fa_ctx_lse_err"] <= 2e-2 and row["merge_rel_err"] <= 2e-2
+            if chain:  # the chain step's own call on the same tokens
+                mc = ctx_pass.metadata(st, causal=True)
+                oc = ctx_pass.call(st, cache, 0, True, torch.empty_like(st.q), mc)
+                row["fa_causal_rel_err"] = _rel(oc, ref)
+                row["chain_tree_vs_fa_causal_maxdiff"] = (o.float() - oc.float()).abs().max().item()
+                row["chain_tree_vs_fa_causal_identical"] = bool(torch.equal(o, oc))
+            if chain:
+                row["chain_ref_vs_causal"] = (ref - causal).abs().max().item()
+                good = good and row["chain_ref_vs_causal"] < 1e-5
+            row["ok"] = bool(good)
+        except Exception:  # noqa: BLE001
+            row.update(ok=False, error=traceback.format_exc()[-2500:])
+            log(row["error"])
+        ok &= row["ok"]
+        results["checks"].append(row)
+        log(f"[check] {name}: " + ", ".join(f"{k}={_g(v)}" for k, v in row.items() if k not in ("check", "error")))
+    return ok
+
+
+def _g(v):
+    return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+
+def make_walk(steps_parents, qsl_list, W, gen, dev):
+    B = len(steps_parents)
+    rows = torch.full((B, W), -1, dtype=torch.int32)
+    nacc = torch.zeros(B, dtype=torch.int32)
+    for r, par in enumerate(steps_parents):
+        path = random_walk(par, gen)
+        rows[r, :len(path)] = torch.tensor(path, dtype=torch.int32) + qsl_list[r]
+        nacc[r] = len(path) - 1
+    return rows.to(dev), nacc.to(dev)
+
+
+def _bits(t):
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def check_compaction(dev, H, D, hidden, results):
+    ok = True
+    gen = torch.Generator().manual_seed(2)
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        name = f"compaction {str(dtype)[6:]} + gather"
+        row = dict(check=name)
+        try:
+            layers = [Cache(64, 16, H, D, torch.bfloat16, dev) for _ in range(4)]
+            for c in layers:
+                c.phys = c.phys.to(dtype)
+                c.kv_cache = c.phys.transpose(1, 2)
+            st = Step(layers[0], 6, 16, 50, 2 * H, dev, gen)
+            rows, nacc = make_walk(st.parents, st.qsl_list, st.W, gen, dev)
+            views = [K.packed_kv_view(c.kv_cache) for c in layers]
+            exp = [v.clone() for v in views]
+            R.compact_kv_ref(exp, st.slot_mapping, st.qsl, rows, nacc)
+            K.KVCompactor(views)(st.slot_mapping, st.qsl, rows, nacc)
+            kv_ok = all(torch.equal(_bits(a.contiguous()), _bits(b.contiguous())) for a, b in zip(views, exp))
+            h = torch.randn(st.T, hidden, device=dev).to(torch.bfloat16)
+            pos = (torch.arange(st.T, device=dev) + 7).to(torch.int64)
+            h2, pos2 = h.clone(), pos.clone()
+            R.gather_accepted_rows_ref([h2], st.qsl, rows, nacc, positions=pos2)
+            K.RowGatherer([h])(st.qsl, rows, nacc, positions=pos)
+            g_ok = torch.equal(_bits(h), _bits(h2)) and torch.equal(pos, pos2)
+            row.update(kv_identical=kv_ok, gather_identical=g_ok, mean_accepted=nacc.float().mean().item(),
+                       ok=bool(kv_ok and g_ok))
+        except Exception:  # noqa: BLE001
+            row.update(ok=False, error=traceback.format_exc()[-2500:])
+            log(row["error"])
+        ok &= row["ok"]
+        results["checks"].append(row)
+        log(f"[check] {name}: " + ", ".join(f"{k}={_g(v)}" for k, v in row.items() if k not in ("check", "error")))
+    return ok
+
+
+# ----------------------------------------------------------------------------
+# Timing rows
+# ----------------------------------------------------------------------------
+def bench_attention(cache, fa, dev, B, n, ctx, Hq, l2, timer):
+    gen = torch.Generator().manual_seed(100 * B + n + ctx)
+    Hkv, D = cache.k.shape[2], cache.k.shape[3]
+    sets = n_sets(B * (ctx + n + 1) * Hkv * D * 2 * cache.k.element_size(), l2)
+    while sets > 1 and sets * B * math.ceil((ctx + n + 1) / cache.bs) > cache.nb:
+        sets -= 1
+    st = Step(cache, B, n, ctx, Hq, dev, gen, sets=sets)
+    row = dict(B=B, n=n, ctx=ctx, sets=sets)
+    out = torch.empty_like(st.q)
+    out2 = torch.empty_like(st.q)
+    fake_ctx = torch.randn_like(st.q)
+    fake_lse = torch.full((Hq, st.T), 8.0, device=dev)
+    idx = range(sets)
+    row["one_kernel"] = timer([lambda i=i: K.tree_attention(*st.args(cache, i), out=out) for i in idx])
+    row["tree_pass_merge"] = timer([lambda i=i: K.tree_attention_merge(*st.args(cache, i), fake_ctx, fake_lse,
+                                                                        out=out2) for i in idx])
+    if fa is not None:
+        try:  # an FA3 failure keeps the Triton timings of the row
+            mc, mx = fa.metadata(st, causal=True), fa.metadata(st, causal=False)
+            row["fa_meta"] = mc is not None and mx is not None
+
+            def tree(i):
+                o, l_ = fa.call(st, cache, i, False, out, mx, lse=True)
+                K.tree_attention_merge(*st.args(cache, i), o, l_, out=o)
+
+            row["chain_fa3"] = timer([lambda i=i: fa.call(st, cache, i, True, out2, mc) for i in idx])
+            row["fa3_ctx"] = timer([lambda i=i: fa.call(st, cache, i, False, out, mx, lse=True) for i in idx])
+            row["tree_fa3_merge"] = timer([lambda i=i: tree(i) for i in idx])
+            row["ratio"] = row["tree_fa3_merge"] / row["chain_fa3"]
+            row["ratio_one_kernel"] = row["one_kernel"] / row["chain_fa3"]
+        except Exception:  # noqa: BLE001
+            row["fa_error"] = traceback.format_exc()[-2500:]
+            log(row["fa_error"])
+    return row
+
+
+def bench_compaction(dev, B, n, H, D, hidden, layers_n, timer):
+    gen = torch.Generator().manual_seed(7 + n)
+    ctx = 64
+    nb = B * math.ceil((ctx + n + 1) / 16) + 8
+    layers = [Cache(nb, 16, H, D, torch.bfloat16, dev) for _ in range(layers_n)]
+    st = Step(layers[0], B, n, ctx, 2 * H, dev, gen)
+    rows, nacc = make_walk(st.parents, st.qsl_list, st.W, gen, dev)
+    comp = K.KVCompactor([K.packed_kv_view(c.kv_cache) for c in layers])
+    h = torch.randn(st.T, hidden, device=dev).to(torch.bfloat16)
+    pos = torch.arange(st.T, device=dev, dtype=torch.int64)
+    gat = K.RowGatherer([h])
+    row = dict(B=B, n=n, layers=layers_n, mean_accepted=nacc.float().mean().item(),
+               max_accepted=int(nacc.max()), hidden=hidden)
+    row["compact_us"] = timer([lambda: comp(st.slot_mapping, st.qsl, rows, nacc)])
+    row["gather_us"] = timer([lambda: gat(st.qsl, rows, nacc, positions=pos)])
+    del layers
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="CPU + Triton interpreter, tiny sizes")
+    ap.add_argument("--out", default=None, help="JSON path (default $OUT/bench_tree_step.json)")
+    ap.add_argument("--time-budget", type=float, default=115.0,
+                    help="seconds after which the remaining timing rows are skipped")
+    ap.add_argument("--skip-checks", action="store_true")
+    ap.add_argument("--no-fa", action="store_true", help="do not import vLLM's FlashAttention (FA columns n/a)")
+    args = ap.parse_args()
+    t_start = time.time()
+    smoke = args.smoke
+    torch.manual_seed(0)
+    dev = torch.device("cpu" if smoke else "cuda")
+    import triton
+
+    if smoke:  # tiny: 4 q heads, 2 KV heads, D 32
+        Hq, Hkv, D, hidden = 4, 2, 32, 48
+        batches, ns, ctxs = [1, 2], [4], [20]
+        checks = [(20, 2, 5, False), (40, 1, 9, False), (20, 2, 4, True)]
+        comp_cfg, layers_n = [(2, 4)], 3
+    else:
+        Hq, Hkv, D, hidden = 32, 8, 128, 3 * 4096  # Qwen3-8B; DFlash reads 3 target layers
+        batches, ns, ctxs = [1, 8, 32], [16, 64], [1024, 16384]
+        checks = [(1024, 4, 16, False), (1024, 2, 64, False), (16384, 2, 16, False),
+                  (16384, 2, 64, False), (1024, 4, 16, True), (16384, 1, 64, True)]
+        comp_cfg, layers_n = [(32, 16), (32, 64)], NUM_LAYERS
+    results = dict(torch=torch.__version__, triton=triton.__version__, smoke=smoke,
+                   date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), shape=dict(Hq=Hq, Hkv=Hkv, D=D, block_size=16),
+                   checks=[], rows=[], compaction=[], skipped=[])
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        l2 = getattr(props, "L2_cache_size", 50 * 2**20) or 50 * 2**20
+        results.update(device=props.name, sms=props.multi_processor_count, l2_bytes=l2)
+        timer = graph_time
+    else:
+        l2 = 0
+        results.update(device="cpu (Triton interpreter)", sms=0, l2_bytes=0)
+        timer = wall_time
+    fa, fa_note = (None, "--no-fa: FA3 not loaded") if args.no_fa else load_fa(smoke)
+    if dev.type == "cuda":  # the fp32 references must not run in TF32 (vLLM's import may touch this)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    results["fa"] = fa_note
+    log(f"device {results['device']}, torch {torch.__version__}, triton {triton.__version__}; {fa_note}")
+
+    # one cache big enough for every timing row (B = 32 at 16K is the largest: ~2.2 GB bf16)
+    nb = max(B * math.ceil((c + n + 1) / 16) for B in batches for n in ns for c in ctxs)
+    nb = max(nb, max(b * math.ceil((c + n + 1) / 16) for c, b, n, _ in checks)) + 16
+    cache = Cache(nb, 16, Hkv, D, torch.bfloat16, dev)
+    log(f"KV cache: {nb} blocks x 16 x {Hkv} x {2 * D} bf16 = {cache.phys.numel() * 2 / 2**30:.2f} GiB "
+        f"({time.time() - t_start:.1f}s)")
+    failed = []
+    if not args.skip_checks:
+        if not check_attention(cache, fa, dev, checks, Hq, results):
+            failed.append("attention")
+        if not check_compaction(dev, Hkv, D, hidden if smoke else 256, results):
+            failed.append("compaction")
+        log(f"[check] done ({time.time() - t_start:.1f}s)")
+    for B, n in comp_cfg:
+        try:
+            results["compaction"].append(bench_compaction(dev, B, n, Hkv, D, hidden, layers_n, timer))
+            log(f"[bench] compaction {results['compaction'][-1]}")
+        except Exception:  # noqa: BLE001
+            results["compaction"].append(dict(B=B, n=n, error=traceback.format_exc()[-2500:]))
+            log(results["compaction"][-1]["error"])
+            failed.append(f"compaction-bench B={B} n={n}")
+    for ctx in ctxs:
+        for n in ns:
+            for B in batches:
+                if time.time() - t_start > args.time_budget:
+                    results["skipped"].append(dict(B=B, n=n, ctx=ctx))
+                    log(f"[bench] time budget spent: skipping B={B} n={n} ctx={ctx}")
+                    continue
+                t0 = time.time()
+                try:
+                    results["rows"].append(bench_attention(cache, fa, dev, B, n, ctx, Hq, l2, timer))
+                    if "fa_error" in results["rows"][-1]:
+                        failed.append(f"FA3 B={B} n={n} ctx={ctx}")
+                except Exception:  # noqa: BLE001
+                    results["rows"].append(dict(B=B, n=n, ctx=ctx, error=traceback.format_exc()[-2500:]))
+                    log(results["rows"][-1]["error"])
+                    failed.append(f"bench B={B} n={n} ctx={ctx}")
+                log(f"[bench] B={B} n={n} ctx={ctx} ({time.time() - t0:.1f}s)")
+    results["elapsed_s"] = time.time() - t_start
+    results["ok"] = not failed
+    out = args.out or (os.path.join(os.environ["OUT"], "bench_tree_step.json") if os.environ.get("OUT") else None)
+    if out:
+        pathlib.Path(out).write_text(json.dumps(results, indent=1))
+        log(f"wrote {out}")
+    print_table(results)
+    log(f"elapsed {results['elapsed_s']:.0f}s")
+    skipped = f" ({len(results['skipped'])} timing rows skipped: time budget)" if results["skipped"] else ""
+    log("TREE-STEP-BENCH " + ("ok" + skipped if not failed else "FAIL " + "; ".join(failed)))
+    return 0 if not failed else 1
+
+
+def _f(v, w=8, p=1):
+    return f"{v:{w}.{p}f}" if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v else f"{'n/a':>{w}}"
+
+
+def print_table(res):
+    log("\n" + "=" * 110)
+    log(f"{res['device']} | torch {res['torch']} | triton {res['triton']} | {res['fa']} | {res['date']}")
+    for c in res["checks"]:
+        log(f"check {c['check']:<34} ok={c['ok']}  " + ", ".join(
+            f"{k}={_g(v)}" for k, v in c.items() if k not in ("check", "ok", "error")))
+    log("µs per call, CUDA-graph replay median. chain = FA3 causal over ctx+n+1 keys (the chain step's "
+        "attention, n+1 query rows); tree = FA3 context pass + tree_attention_merge; ctx = FA3 context "
+        "pass alone; pass = tree pass + merge alone; one = tree_attention (one kernel)")
+    log(f"{'B':>3} {'n':>3} {'ctx':>6} | {'chain':>8} {'tree':>8} {'x':>6} | {'ctx':>8} {'pass':>8} | "
+        f"{'one':>8} {'x':>6} | sets")
+    for r in res["rows"]:
+        if "error" in r:
+            log(f"{r['B']:>3} {r['n']:>3} {r['ctx']:>6} | ERROR")
+            continue
+        log(f"{r['B']:>3} {r['n']:>3} {r['ctx']:>6} | {_f(r.get('chain_fa3'))} {_f(r.get('tree_fa3_merge'))} "
+            f"{_f(r.get('ratio'), 6, 2)} | {_f(r.get('fa3_ctx'))} {_f(r.get('tree_pass_merge'))} | "
+            f"{_f(r.get('one_kernel'))} {_f(r.get('ratio_one_kernel'), 6, 2)} | {r['sets']}")
+    for c in res["compaction"]:
+        if "error" in c:
+            log(f"compaction B={c['B']} n={c['n']}: ERROR")
+            continue
+        log(f"compaction B={c['B']} n={c['n']} {c['layers']} layers (mean a {c['mean_accepted']:.1f}, max "
+            f"{c['max_accepted']}): {c['compact_us']:.1f} µs; drafter rows [{c['hidden']}] + positions: "
+            f"{c['gather_us']:.1f} µs")
+    for s in res["skipped"]:
+        log(f"skipped (time budget): B={s['B']} n={s['n']} ctx={s['ctx']}")
+    rat = [r["ratio"] for r in res["rows"] if "ratio" in r]
+    if rat:
+        log(f"goal tree <= 1.1x chain: met in {sum(x <= 1.1 for x in rat)} of {len(rat)} rows "
+            f"(ratios {min(rat):.2f} .. {max(rat):.2f})")
+    cu = [c["compact_us"] for c in res["compaction"] if "compact_us" in c and c["B"] == 32]
+    if cu:
+        log(f"goal compaction <= 10 µs at B = 32: {'met' if max(cu) <= 10 else 'NOT met'} "
+            f"({', '.join(f'{x:.1f}' for x in cu)} µs)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
