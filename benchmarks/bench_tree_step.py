@@ -481,7 +481,7 @@ def main():
         checks = [(20, 2, 5, False), (40, 1, 9, False), (20, 2, 4, True)]
         comp_cfg, layers_n = [(2, 4)], 3
     else:
-        Hq, Hkv, D, hidden = 32, 8, 128, 3 * 4096  # Qwen3-8B; DFlash reads 3 target layers
+        Hq, Hkv, D, hidden = 32, 8, 128, 3 * 4096  # Qwen3-8B; hidden: a stand-in for DFlash's aux rows
         batches, ns, ctxs = [1, 8, 32], [16, 64], [1024, 16384]
         checks = [(1024, 4, 16, False), (1024, 2, 64, False), (16384, 2, 16, False),
                   (16384, 2, 64, False), (1024, 4, 16, True), (16384, 1, 64, True)]
