@@ -182,6 +182,7 @@ def worker(python: str, path: list[str], the_plan: dict, log: Path, **env) -> di
     plan_file.write_text(json.dumps(the_plan))
     e = cpu_env(PYTHONPATH=os.pathsep.join(path), VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
                 **env)
+    e = {k: v for k, v in e.items() if v is not None}  # None: unset
     t0 = time.perf_counter()
     with open(log, "w") as fh:
         proc = subprocess.run([python, str(WORKER), str(plan_file)], stdout=subprocess.PIPE, stderr=fh, text=True,
