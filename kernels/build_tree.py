@@ -1,33 +1,40 @@
 """Triton kernels and host wrapper for the DDTree tree builder (paper Algorithm 1).
 
 ``build_tree(draft_logits [B, L, V], budget)`` turns the drafter's per-position logits into a
-batch of draft trees of ``budget`` nodes each, entirely on the device (three launches, static
-grids, no host synchronisation: CUDA-graph capturable). The contract is the reference's
+batch of draft trees of ``budget`` nodes each, entirely on the device (static grids, no host
+synchronisation: CUDA-graph capturable). The contract is the reference's
 (``kernels/tree_reference.py``, ``docs/tree-builder.md``); the kernels reproduce it bit for bit
 given the same per-row logsumexp.
 
-Kernels:
+Stage 1 (per-row logsumexp and top-(K+1), one read of the logits), K + 1 <= SMALL_KP:
 
-* ``_chunk_kernel`` -- grid (B*L, cdiv(V, CHUNK)). Reads one vocab chunk of one row once:
-  online logsumexp partials (max, sum of exp) and the chunk's exact top-KP entries. The top-KP
-  are found without sorting the chunk: t = the smallest of KP column maxima is a lower bound of
-  the chunk's KP-th largest value (KP distinct columns each hold a value >= t), so only entries
-  >= t are candidates (about KP*ln(KP) of them for noise-like logits). They are compacted with a
-  prefix sum into a small per-program scratch and reduced with ``tl.topk`` on packed keys (value,
-  then lower id: int32 for bf16/fp16 logits, int64 for fp32), in batches of CAPT - KP candidates
-  (one batch unless many exact ties).
-* ``_merge_kernel`` -- grid (B*L,). Merges the chunks' (max, sum) into the row's logsumexp and
-  their top-KP lists into the row's sorted top-KP (token ids and logprobs = logit - lse).
-* ``_tree_kernel`` -- grid (B,). Best-first expansion in registers: the frontier holds at most
-  one candidate per emitted node (that node's next unexpanded child), as a vector of packed int64
-  keys ordered exactly like the reference heap (σ, then lower depth, lower rank, lower parent),
-  so each pop is one max-reduction; the pop writes the node and updates two frontier slots
-  (the parent's next sibling, the new node's first child). Then padding, the ``exact``
-  certificate and the ancestor bit rows.
+* ``_seg_kernel`` -- grid (B*L*NSEG,), 4 warps. A program streams one vocab segment of one row
+  in 4096-entry tiles (16-byte loads, the next tile in flight), keeping per lane an online
+  (max, sum of exp) and per slot (position within the tile) the running maximum G. Then
+  t = the (K+1)-th largest lane maximum (K+1 distinct entries are >= t), so the segment's
+  top-(K+1) lie in the few slots with G >= t: their entries are gathered (one strided load per
+  tile), keyed (value, then lower id, int64) and merged into a running top-KP list with
+  ``tl.topk``. NaN / +inf are not sanitised on the fast path: they make a lane's sum NaN (or
+  the max +inf), and the segment is then read again sanitised. Many exact ties at t are taken
+  in batches of slots in id order, stopping once no later slot can enter the list. With
+  NSEG > 1 segments per row the last program to finish (an atomic ticket) merges the row.
+* ``_chunk_kernel`` + ``_merge_kernel`` -- the large-K path (K + 1 > SMALL_KP, up to 1023):
+  grid (B*L, cdiv(V, CHUNK)) chunk programs find each chunk's top-KP with a column-maxima
+  threshold, a prefix-sum compaction and ``tl.topk``; the merge kernel combines them per row.
+
+Stage 2:
+
+* ``_tree_kernel`` -- grid (B,), 1 warp. Best-first expansion in registers: the frontier holds
+  at most one candidate per emitted node (that node's next unexpanded child), as int32 keys
+  HI = ord(σ) and LO = (63 - depth, 1023 - rank, 2047 - parent) bit fields, ordered exactly
+  like the reference heap; a pop is two int32 max reductions (REDUX on sm_80+), then two slot
+  updates (the parent's next sibling, the new node's first child). Then padding, the
+  ``exact`` certificate and the ancestor bit rows (max-depth parent hops per row block).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -36,7 +43,7 @@ import triton.language as tl
 
 from .tree_reference import DraftTree, check_build_args
 
-DEFAULT_CHUNK = 4096  # 4 warps, 96 registers: 5 programs per SM on sm_90
+DEFAULT_CHUNK = 4096  # large-K path: vocab entries per _chunk_kernel program
 MAX_MERGE = 16384  # keys one _merge_kernel program sorts (16 warps; 128 KiB of shared memory)
 
 # NOTE: module constants must be tl.constexpr instances for the compiler.
@@ -44,8 +51,6 @@ SENT = tl.constexpr(-9223372036854775808)  # below every key
 SENT32 = tl.constexpr(-2147483648)  # below every 32-bit key
 LOG2E = tl.constexpr(1.4426950408889634)
 ORD_NEG_INF = tl.constexpr(-2139095041)  # _ord(-inf)
-# tree-key low bits: (63 - depth) << 21 | (1023 - rank) << 11 | (2047 - parent)
-LOW_MASK = tl.constexpr(134217727)  # 2**27 - 1
 
 
 @triton.jit
@@ -73,14 +78,6 @@ def _unvkey(k):
     v = _unord((k >> 32).to(tl.int32))
     gid = 2147483647 - k.to(tl.int32)  # low 32 bits
     return v, gid
-
-
-@triton.jit
-def _tkey(sig, depth, rank, parent):
-    """Packed tree-candidate key: larger σ, then lower depth, lower rank, lower parent first."""
-    sig = tl.where(sig == 0, 0.0, sig)
-    low = ((63 - depth) << 21) + ((1023 - rank) << 11) + (2047 - parent)
-    return (_ord(sig).to(tl.int64) << 32) + low.to(tl.int64)
 
 
 @triton.jit
@@ -261,6 +258,221 @@ def _merge_kernel(
     tl.store(lse_ptr + row, lse)
 
 
+# ----------------------------------------------------------------------------
+# Stage 1, fast path (K + 1 <= SMALL_KP): _seg_kernel
+# ----------------------------------------------------------------------------
+@triton.jit
+def _ord0(x):
+    """float32 -> int32 with the same order, -0.0 ranked as +0.0 (x not NaN)."""
+    x = tl.where(x == 0, 0.0, x)
+    return _ord(x)
+
+
+@triton.jit
+def _tile_update(x, G, r, s, SANITIZE: tl.constexpr):
+    """One tile x [U, NTHR, VEC] (float32) into the running slot maxima G (same shape), the
+    lanes' maxima r [NTHR] and their sums s [NTHR] of exp(x - r)."""
+    if SANITIZE:
+        x = tl.where(x < float("inf"), x, float("-inf"))  # NaN and +inf -> -inf
+    G = tl.maximum(G, x)
+    rn = tl.maximum(r, tl.max(tl.max(x, axis=2), axis=0))
+    rc = tl.where(rn > float("-inf"), rn, 0.0) * LOG2E
+    e = tl.sum(tl.sum(tl.exp2(x * LOG2E - rc[None, :, None]), axis=2), axis=0)
+    s = s * tl.exp2(r * LOG2E - rc) + e
+    return G, rn, s
+
+
+@triton.jit
+def _stream(row_ptr, seg_start, seg_end, OFF, G, r, s, T: tl.constexpr, SANITIZE: tl.constexpr):
+    """Read the segment [seg_start, seg_end) once: full tiles unmasked (the next one in flight
+    while the current one is reduced), then the partial tail tile masked."""
+    nfull = (seg_end - seg_start) // T
+    xn = tl.load(row_ptr + seg_start + OFF, mask=nfull > 0)
+    pos = seg_start
+    for i in range(0, nfull):
+        x = xn
+        xn = tl.load(row_ptr + (pos + T) + OFF, mask=i + 1 < nfull)
+        G, r, s = _tile_update(x.to(tl.float32), G, r, s, SANITIZE)
+        pos += T
+    if pos < seg_end:
+        x = tl.load(row_ptr + pos + OFF, mask=pos + OFF < seg_end, other=float("-inf"))
+        G, r, s = _tile_update(x.to(tl.float32), G, r, s, SANITIZE)
+    return G, r, s
+
+
+@triton.jit
+def _positions3(f):
+    """Exclusive running count of the int32 flags f [A, B, C] in (a, b, c) order, at the flagged
+    entries (scans along each axis, no reshape: the last axis stays in-thread)."""
+    rt = tl.sum(f, axis=2)
+    cl = tl.cumsum(rt, axis=1) - rt
+    ut = tl.sum(rt, axis=1)
+    cu = tl.cumsum(ut, axis=0) - ut
+    return tl.cumsum(f, axis=2) - f + cl[:, :, None] + cu[:, None, None]
+
+
+@triton.jit
+def _positions2(f):
+    """Exclusive running count of the int32 flags f [A, B] in (a, b) order."""
+    rt = tl.sum(f, axis=1)
+    ca = tl.cumsum(rt, axis=0) - rt
+    return tl.cumsum(f, axis=1) - f + ca[:, None]
+
+
+@triton.jit
+def _finish_row(top, lse, row, top_lp_ptr, top_id_ptr, V, KP: tl.constexpr):
+    v, gid = _unvkey(top)
+    real = (top > SENT) & (gid < V)
+    lp = tl.where(real & (v > float("-inf")), v - lse, float("-inf"))
+    lp = tl.where(lse > float("-inf"), lp, float("-inf"))
+    ob = row.to(tl.int64) * KP + tl.arange(0, KP)
+    tl.store(top_lp_ptr + ob, lp)
+    tl.store(top_id_ptr + ob, tl.where(real, gid, -1))
+
+
+@triton.jit
+def _seg_kernel(
+    logits_ptr,  # [B, L, V] bf16/fp16/fp32, stride(2) == 1
+    active_ptr,  # [B] bool or None
+    part_key_ptr,  # [B*L*NSEG, KP] int64: each segment's top-(K+1) keys (then filler), descending
+    part_m_ptr,  # [B*L*NSEG] float32: segment max
+    part_s_ptr,  # [B*L*NSEG] float32: sum exp(x - max)
+    scr_ptr,  # [B*L*NSEG, CS] int32 scratch: candidate slots
+    ticket_ptr,  # [B*L] int32, zero before the launch (NSEG > 1); left zero
+    top_lp_ptr,  # [B, L, KP] float32
+    top_id_ptr,  # [B, L, KP] int32
+    lse_ptr,  # [B, L] float32
+    L,
+    V,
+    stride_b,
+    stride_l,
+    NSEG,
+    SEG,  # vocab entries per segment (a multiple of T unless NSEG == 1)
+    K,
+    U: tl.constexpr,
+    NTHR: tl.constexpr,
+    VEC: tl.constexpr,
+    NTP: tl.constexpr,  # next_pow2(tiles per segment)
+    KP: tl.constexpr,
+    CS: tl.constexpr,
+    NSEGP: tl.constexpr,
+    HAS_ACTIVE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    row = pid // NSEG
+    sg = pid - row * NSEG
+    b = row // L
+    l_ = row - b * L
+    if HAS_ACTIVE:
+        run = tl.load(active_ptr + b) != 0
+    else:
+        run = pid >= 0
+    T: tl.constexpr = U * NTHR * VEC
+    if run:
+        row_ptr = logits_ptr + b.to(tl.int64) * stride_b + l_.to(tl.int64) * stride_l
+        seg_start = sg * SEG
+        seg_end = tl.minimum(seg_start + SEG, V)
+        u = tl.arange(0, U)
+        ln = tl.arange(0, NTHR)
+        vv = tl.arange(0, VEC)
+        OFF = u[:, None, None] * (NTHR * VEC) + ln[None, :, None] * VEC + vv[None, None, :]
+        G = tl.full([U, NTHR, VEC], float("-inf"), tl.float32)
+        r = tl.full([NTHR], float("-inf"), tl.float32)
+        s = tl.zeros([NTHR], dtype=tl.float32)
+        # fast pass without sanitising; NaN or +inf anywhere makes a lane's sum NaN (or the
+        # max +inf): then redo the segment sanitised
+        G1, r1, s1 = _stream(row_ptr, seg_start, seg_end, OFF, G, r, s, T, False)
+        m = tl.max(r1, axis=0)
+        # lanes without a finite entry add their sum (0, or NaN): the total is NaN iff a lane's is
+        ssum = tl.sum(tl.where(r1 > float("-inf"), s1 * tl.exp2((r1 - m) * LOG2E), s1), axis=0)
+        if (ssum != ssum) | (m != m) | (m == float("inf")):
+            G1, r1, s1 = _stream(row_ptr, seg_start, seg_end, OFF, G, r, s, T, True)
+            m = tl.max(r1, axis=0)
+            ssum = tl.sum(tl.where(r1 > float("-inf"), s1 * tl.exp2((r1 - m) * LOG2E), 0.0),
+                          axis=0)
+        # t = the (K+1)-th largest lane maximum: K+1 distinct entries are >= t, so the
+        # segment's top-(K+1) lie in the slots whose maximum G is >= t.
+        kk = tl.arange(0, KP)
+        t = tl.max(tl.where(kk == K, tl.topk(r1, KP), float("-inf")), axis=0)
+        valid = seg_start + OFF < seg_end
+        # candidate slots: first those with G > t, then those with G == t in slot order; a
+        # batch of the latter whose first slot s has key(t, s) <= the running (K+1)-th key
+        # (and every later one) cannot improve the list: stop there (many ties, -inf rows)
+        fhi = valid & (G1 > t)
+        feq = valid & (G1 == t)
+        n_hi = tl.sum(tl.sum(tl.sum(fhi.to(tl.int32), axis=2), axis=1), axis=0)
+        n_eq = tl.sum(tl.sum(tl.sum(feq.to(tl.int32), axis=2), axis=1), axis=0)
+        spos = tl.where(fhi, _positions3(fhi.to(tl.int32)), n_hi + _positions3(feq.to(tl.int32)))
+        flags = fhi | feq
+        nsl = n_hi + n_eq
+        base = pid.to(tl.int64)
+        kbase = part_key_ptr + base * KP  # staged candidate keys; at the end this segment's list
+        sbase = scr_ptr + base * CS  # staged candidate slots
+        NT = tl.cdiv(seg_end - seg_start, T)
+        ci = tl.arange(0, CS)
+        ii = tl.arange(0, NTP)
+        lst = tl.full([KP], SENT, tl.int64)  # the running top-KP keys, descending
+        sb = nsl * 0
+        go = nsl > 0
+        while go:  # batches of CS candidate slots (one, unless many ties)
+            tl.debug_barrier()  # the previous batch's slots are read
+            tl.store(sbase + spos - sb, OFF, mask=flags & (spos >= sb) & (spos < sb + CS))
+            tl.debug_barrier()
+            inb = ci < nsl - sb
+            sl = tl.load(sbase + ci, mask=inb, other=0)
+            kth = tl.max(tl.where(kk == K, lst, SENT), axis=0)  # the running (K+1)-th key
+            s0 = tl.min(tl.where(inb, sl, 2147483647), axis=0)
+            stop = (sb >= n_hi) & (kth >= _vkey(t, seg_start + s0))
+            if stop == 0:
+                gid = seg_start + ii[None, :] * T + sl[:, None]
+                gm = inb[:, None] & (ii[None, :] < NT) & (gid < seg_end)
+                y = tl.load(row_ptr + gid, mask=gm, other=float("-inf")).to(tl.float32)
+                y = tl.where(y < float("inf"), y, float("-inf"))
+                key = _vkey(y, gid)
+                cand = gm & (y >= t) & (key > kth)
+                epos = _positions2(cand.to(tl.int32))
+                cnt = tl.max(tl.max(tl.where(cand, epos, -1), axis=1), axis=0) + 1
+                for q0 in range(0, cnt, KP):  # batches of KP candidate entries
+                    tl.store(kbase + epos - q0, key, mask=cand & (epos >= q0) & (epos < q0 + KP))
+                    tl.debug_barrier()  # the staged keys are visible to every lane
+                    new = tl.load(kbase + kk, mask=kk < cnt - q0, other=SENT)
+                    lst = tl.topk(tl.reshape(tl.join(lst, new), [2 * KP]), KP)
+                    tl.debug_barrier()  # every lane has read them before the next batch
+            sb += CS
+            go = (sb < nsl) & (stop == 0)
+        if NSEG == 1:
+            lse = tl.where(m > float("-inf"), m + tl.log(ssum), float("-inf"))
+            tl.store(lse_ptr + row, lse)
+            _finish_row(lst, lse, row, top_lp_ptr, top_id_ptr, V, KP)
+        else:
+            tl.store(kbase + kk, lst)
+            tl.store(part_m_ptr + pid, m)
+            tl.store(part_s_ptr + pid, ssum)
+            tl.debug_barrier()  # this program's partials are written before its ticket
+            prev = tl.atomic_add(ticket_ptr + row, 1, sem="acq_rel")
+            if prev == NSEG - 1:  # the row's last segment merges the row
+                ci2 = tl.arange(0, NSEGP)
+                cm = ci2 < NSEG
+                pb = row.to(tl.int64) * NSEG
+                pm = tl.load(part_m_ptr + pb + ci2, mask=cm, other=float("-inf"), cache_modifier=".cg")
+                ps = tl.load(part_s_ptr + pb + ci2, mask=cm, other=0.0, cache_modifier=".cg")
+                mx = tl.max(pm, axis=0)
+                tot = tl.sum(tl.where(pm > float("-inf"), ps * tl.exp(pm - mx), 0.0), axis=0)
+                lse = tl.where(mx > float("-inf"), mx + tl.log(tot), float("-inf"))
+                keys = tl.load(part_key_ptr + (pb + ci2[:, None]) * KP + kk[None, :],
+                               mask=cm[:, None], other=SENT, cache_modifier=".cg")
+                top = tl.topk(tl.reshape(keys, [NSEGP * KP]), KP)
+                tl.store(lse_ptr + row, lse)
+                _finish_row(top, lse, row, top_lp_ptr, top_id_ptr, V, KP)
+                tl.store(ticket_ptr + row, 0)
+    elif sg == 0:  # inactive request: -inf / -1 / lse -inf, no logits read
+        kk = tl.arange(0, KP)
+        ob = row.to(tl.int64) * KP + kk
+        tl.store(top_lp_ptr + ob, tl.full([KP], float("-inf"), tl.float32))
+        tl.store(top_id_ptr + ob, tl.full([KP], -1, tl.int32))
+        tl.store(lse_ptr + row, float("-inf"))
+
+
 @triton.jit
 def _tree_kernel(
     top_lp_ptr,  # [B, L, KP] float32
@@ -277,7 +489,7 @@ def _tree_kernel(
     budget,
     NW,
     KP: tl.constexpr,
-    NP: tl.constexpr,
+    NP: tl.constexpr,  # >= budget frontier slots (slot = node whose next child it holds)
     NWP: tl.constexpr,
     RB: tl.constexpr,
     HAS_ACTIVE: tl.constexpr,
@@ -286,46 +498,56 @@ def _tree_kernel(
     b = tl.program_id(0)
     tb = b.to(tl.int64) * L * KP
     ob = b.to(tl.int64) * budget
-    slot = tl.arange(0, NP)  # frontier slot = index of the node whose next child it holds
+    slot = tl.arange(0, NP)
     if HAS_ACTIVE:
         act = tl.load(active_ptr + b) != 0
     else:
         act = b >= 0
-    lp00 = tl.load(top_lp_ptr + tb)
-    count = b * 0
-    F = tl.where((slot == 0) & act, _tkey(lp00, count + 1, count, count), SENT)
+    # frontier: HI = ord(σ) of the slot's candidate (SENT32: none), LO = its tie-break bits
+    # (63 - depth) << 21 | (1023 - rank) << 11 | (2047 - parent); a pop is two int32 max
+    # reductions (σ, then the tie-break among equal σ)
+    lp_b = top_lp_ptr + tb
+    id_b = top_id_ptr + tb
+    tok_b = tok_ptr + ob
+    par_b = par_ptr + ob
+    dep_b = dep_ptr + ob
+    score_b = score_ptr + ob
+    lp00 = tl.load(lp_b)
+    HI = tl.where((slot == 0) & act, _ord0(lp00), SENT32)
+    LO = tl.where(slot == 0, (62 << 21) + (1023 << 11) + 2047, 0)
     PS = tl.zeros([NP], dtype=tl.float32)  # σ of emitted nodes (root: 0)
-    npar = tl.zeros([NP], dtype=tl.int32)
-    zero_f = count.to(tl.float32)
-    last = zero_f - float("inf")
+    count = b * 0
+    maxd = count
+    last = count.to(tl.float32) - float("inf")
     go = act & (budget > 0)
     while go:
-        kmax = tl.max(F, axis=0)
-        hi = (kmax >> 32).to(tl.int32)
-        ok = hi > ORD_NEG_INF  # σ > -inf (and not the empty sentinel)
-        sig = _unord(hi)
-        lo = kmax.to(tl.int32) & LOW_MASK
+        mhi = tl.max(HI, axis=0)
+        ok = mhi > ORD_NEG_INF  # σ > -inf (and not the empty sentinel)
+        lo = tl.max(tl.where(HI == mhi, LO, -1), axis=0)
         p = 2047 - (lo & 2047)
         r = 1023 - ((lo >> 11) & 1023)
-        d = 63 - ((lo >> 21) & 63)
+        d = 63 - (lo >> 21)
+        sig = _unord(mhi)
         j = count + 1
         has_sib = ok & (r + 1 < K)
         has_child = ok & (d < L)
-        trow = tb + (d - 1).to(tl.int64) * KP
-        lp_sib = tl.load(top_lp_ptr + trow + r + 1, mask=has_sib, other=float("-inf"))
-        lp_ch = tl.load(top_lp_ptr + trow + KP, mask=has_child, other=float("-inf"))
-        tok = tl.load(top_id_ptr + trow + r, mask=ok, other=-1)
-        # the parent's next sibling replaces the popped candidate in slot p (σ(p) + lp, fp32)
-        sib = _tkey(PS + lp_sib, d, r + 1, slot)
-        F = tl.where(slot == p, tl.where(has_sib, sib, SENT), F)
-        F = tl.where((slot == j) & has_child, _tkey(sig + lp_ch, d + 1, 0, j), F)
+        trow = (d - 1) * KP  # int32 offsets from the request's table
+        lp_sib = tl.load(lp_b + trow + r + 1, mask=has_sib, other=float("-inf"))
+        lp_ch = tl.load(lp_b + trow + KP, mask=has_child, other=float("-inf"))
+        tok = tl.load(id_b + trow + r, mask=ok, other=-1)
+        # slot p: the popped node's next sibling (σ(p) + lp, fp32), rank + 1
+        HI = tl.where(slot == p, tl.where(has_sib, _ord0(PS + lp_sib), SENT32), HI)
+        LO = tl.where(slot == p, LO - 2048, LO)
+        # slot j: the new node's first child
+        HI = tl.where(slot == j, tl.where(has_child, _ord0(sig + lp_ch), SENT32), HI)
+        LO = tl.where(slot == j, ((62 - d) << 21) + (1023 << 11) + (2047 - j), LO)
         PS = tl.where(slot == j, sig, PS)
-        npar = tl.where((slot == j) & ok, p, npar)
-        tl.store(tok_ptr + ob + count, tok, mask=ok)
-        tl.store(par_ptr + ob + count, p, mask=ok)
-        tl.store(dep_ptr + ob + count, d, mask=ok)
-        tl.store(score_ptr + ob + count, sig, mask=ok)
+        tl.store(tok_b + count, tok, mask=ok)
+        tl.store(par_b + count, p, mask=ok)
+        tl.store(dep_b + count, d, mask=ok)
+        tl.store(score_b + count, sig, mask=ok)
         last = tl.where(ok, sig, last)
+        maxd = tl.where(ok, tl.maximum(maxd, d), maxd)
         count = tl.where(ok, j, count)
         go = ok & (count < budget)
 
@@ -339,7 +561,7 @@ def _tree_kernel(
     # exact: no node of rank >= K can beat node `budget` (σ = tau)
     tau = tl.where(count == budget, last, float("-inf"))
     allok = act | (act == 0)
-    P = zero_f
+    P = count.to(tl.float32) * 0.0
     for dd in range(0, L):
         lk = tl.load(top_lp_ptr + tb + dd * KP + K)
         allok = allok & ((lk == float("-inf")) | (P == float("-inf")) | (P + lk < tau))
@@ -356,7 +578,7 @@ def _tree_kernel(
             live = rows <= budget
             bits = _bit(rows, w) | _bit(rows * 0, w)
             cur = rows
-            for _t in range(0, L):
+            for _t in range(0, maxd):  # a node is at most maxd hops below the root
                 cur = tl.load(par_ptr + ob + cur - 1, mask=live & (cur > 0), other=0)
                 bits = bits | _bit(cur, w)
             tl.store(mask_ptr + mb + rows[:, None] * NW + w[None, :], bits,
@@ -367,32 +589,108 @@ def _next_pow2(x: int) -> int:
     return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
 
 
-def draft_topk(
-    draft_logits: torch.Tensor,
-    topk: int,
-    *,
-    active: Optional[torch.Tensor] = None,
-    chunk: Optional[int] = None,
-    chunk_warps: Optional[int] = None,
-):
-    """Stage 1 of ``build_tree`` alone: per-row logsumexp and top-(K+1), one read of the logits.
+SMALL_KP = 32  # K + 1 <= SMALL_KP: the one-pass segment kernel; larger K: chunk + merge kernels
+SEG_TILE = 4096  # vocab entries per thread block per step of _seg_kernel
+SEG_CTAS_PER_SM = 4  # _seg_kernel programs resident per SM (4 warps, <= 128 registers)
+SEG_MAXNREG = 128  # register cap: the streaming loop fits; the rare paths may spill
+SEG_MIN_TILES = 4  # tiles per segment at least (the default segmentation)
+_SM_COUNT: dict = {}
 
-    Returns ``(lse [B, L] float32, logprobs [B, L, KP] float32, ids [B, L, KP] int32)`` with
-    KP = next_pow2(K + 1) >= K + 1 sorted columns (logprob descending, ties to the lower id;
-    -inf / -1 past V; -inf / -1 / lse -inf for inactive requests).
-    """
-    B, L, V, _, K = check_build_args(draft_logits, 1, topk, active)
-    dev = draft_logits.device
-    KP = _next_pow2(K + 1)  # one more rank than K, for the `exact` certificate
+
+def _sm_count(dev: torch.device) -> int:
+    if dev.type != "cuda":
+        return 132
+    key = dev.index if dev.index is not None else torch.cuda.current_device()
+    if key not in _SM_COUNT:
+        _SM_COUNT[key] = torch.cuda.get_device_properties(key).multi_processor_count
+    return _SM_COUNT[key]
+
+
+def _default_segment(rows: int, V: int, T: int, KP: int, slots: int) -> int:
+    """Segment length (whole tiles) so that rows * segments fills the GPU's resident programs
+    (`slots`) in close to whole waves: one wave when the rows alone are fewer, else the fewest
+    segments per row whose last wave is at least 85% full; at least SEG_MIN_TILES tiles per
+    segment (a program's fixed cost, the candidate selection and the merge, is a few tiles'
+    worth of streaming)."""
+    ntile = triton.cdiv(V, T)
+    best = None
+    for nseg in range(1, max(1, ntile // SEG_MIN_TILES) + 1):
+        seg = triton.cdiv(ntile, nseg) * T
+        nseg = triton.cdiv(V, seg)
+        if _next_pow2(nseg) * KP > MAX_MERGE:
+            break
+        progs = rows * nseg
+        waves = progs / slots
+        eff = waves / math.ceil(waves)
+        if best is None or eff > best[0] + 1e-9:
+            best = (eff, seg)
+        if progs >= slots // 2 and eff >= 0.85:
+            return seg
+        if progs > 4 * slots:
+            break
+    return best[1]
+
+
+def _check_chunk(chunk, V, KP):
+    CH = int(chunk)
+    if CH & (CH - 1) or CH < 2 * KP or _next_pow2(triton.cdiv(V, CH)) * KP > MAX_MERGE:
+        raise ValueError(f"build_tree: argument `chunk` must be a power of two >= {2 * KP} with "
+                         f"next_pow2(ceil(V / chunk)) * {KP} <= {MAX_MERGE}, got {chunk!r}")
+    return CH
+
+
+def _topk_segments(x, K, KP, active, chunk, chunk_warps):
+    """Stage 1 for K + 1 <= SMALL_KP: ``_seg_kernel``, one launch (plus a 4-byte-per-row memset
+    when a row is split into several segments)."""
+    B, L, V = x.shape
+    dev = x.device
+    rows = B * L
+    VEC = max(1, 16 // x.element_size())  # 16-byte loads
+    nw = int(chunk_warps) if chunk_warps else 4
+    NTHR = 32 * nw
+    if nw & (nw - 1) or NTHR < KP:
+        raise ValueError(f"build_tree: argument `chunk_warps` must be a power of two with "
+                         f"32 * chunk_warps >= {KP}, got {chunk_warps!r}")
+    U = max(1, SEG_TILE // (NTHR * VEC))
+    T = U * NTHR * VEC
     if chunk:
-        CH = int(chunk)
+        SEG = _check_chunk(chunk, V, KP)
+    else:
+        SEG = _default_segment(rows, V, T, KP, _sm_count(dev) * SEG_CTAS_PER_SM)
+    NSEG = triton.cdiv(V, SEG)
+    f32 = torch.float32
+    lse = torch.empty((B, L), dtype=f32, device=dev)
+    top_lp = torch.empty((B, L, KP), dtype=f32, device=dev)
+    top_id = torch.empty((B, L, KP), dtype=torch.int32, device=dev)
+    if rows == 0:
+        return lse, top_lp, top_id
+    CS = 16
+    P = rows * NSEG
+    part_key = torch.empty((P * KP,), dtype=torch.int64, device=dev)
+    part_m = torch.empty((P,), dtype=f32, device=dev)
+    part_s = torch.empty((P,), dtype=f32, device=dev)
+    scr = torch.empty((P * CS,), dtype=torch.int32, device=dev)
+    ticket = torch.zeros((rows,), dtype=torch.int32, device=dev) if NSEG > 1 else scr
+    _seg_kernel[(P,)](
+        x, active, part_key, part_m, part_s, scr, ticket, top_lp, top_id, lse,
+        L, V, x.stride(0), x.stride(1), NSEG, SEG, K,
+        U=U, NTHR=NTHR, VEC=VEC, NTP=_next_pow2(triton.cdiv(min(SEG, V), T)), KP=KP, CS=CS,
+        NSEGP=_next_pow2(NSEG), HAS_ACTIVE=active is not None, num_warps=nw,
+        maxnreg=SEG_MAXNREG,  # the streaming loop needs < 128; the rare paths may spill
+    )
+    return lse, top_lp, top_id
+
+
+def _topk_chunks(x, KP, active, chunk, chunk_warps):
+    """Stage 1 for large K: ``_chunk_kernel`` + ``_merge_kernel``."""
+    B, L, V = x.shape
+    dev = x.device
+    if chunk:
+        CH = _check_chunk(chunk, V, KP)
     else:  # the merge sorts next_pow2(#chunks) * KP keys in one program: keep that <= MAX_MERGE
         CH = min(DEFAULT_CHUNK, max(_next_pow2(V), 2 * KP))
         while _next_pow2(triton.cdiv(V, CH)) * KP > MAX_MERGE:
             CH *= 2
-    if CH & (CH - 1) or CH < 2 * KP or _next_pow2(triton.cdiv(V, CH)) * KP > MAX_MERGE:
-        raise ValueError(f"build_tree: argument `chunk` must be a power of two >= {2 * KP} with "
-                         f"next_pow2(ceil(V / chunk)) * {KP} <= {MAX_MERGE}, got {chunk!r}")
     NCH = triton.cdiv(V, CH)
     CAPT = max(128, min(8 * KP, 4096))  # candidates per batch: CAPT - KP (about KP*ln(KP) expected)
     f32 = torch.float32
@@ -408,10 +706,10 @@ def draft_topk(
     idx_scr = torch.empty((rows * NCH * (CAPT - KP),), dtype=torch.int32, device=dev)
     has_active = active is not None
     _chunk_kernel[(rows, NCH)](
-        draft_logits, active, part_key, part_m, part_s, idx_scr,
-        L, V, draft_logits.stride(0), draft_logits.stride(1), NCH,
+        x, active, part_key, part_m, part_s, idx_scr,
+        L, V, x.stride(0), x.stride(1), NCH,
         CHUNK=CH, KP=KP, CAPT=CAPT, SUB=min(CH, 1024), HAS_ACTIVE=has_active,
-        KEY32=draft_logits.element_size() == 2 and CH <= 65536,
+        KEY32=x.element_size() == 2 and CH <= 65536,
         num_warps=chunk_warps or max(4, min(16, CH // 1024)),
     )
     _merge_kernel[(rows,)](
@@ -420,6 +718,28 @@ def draft_topk(
         num_warps=max(4, min(16, _next_pow2(NCH) * KP // 512)),
     )
     return lse, top_lp, top_id
+
+
+def draft_topk(
+    draft_logits: torch.Tensor,
+    topk: int,
+    *,
+    active: Optional[torch.Tensor] = None,
+    chunk: Optional[int] = None,
+    chunk_warps: Optional[int] = None,
+):
+    """Stage 1 of ``build_tree`` alone: per-row logsumexp and top-(K+1), one read of the logits.
+
+    Returns ``(lse [B, L] float32, logprobs [B, L, KP] float32, ids [B, L, KP] int32)`` with
+    KP = next_pow2(K + 1) >= K + 1 columns, logprob descending: columns 0..K are the row's
+    top-(K+1) (ties to the lower id; -inf / -1 past V); columns past K are filler (real entries
+    of the row, not necessarily its next ranks). Inactive requests: -inf / -1 / lse -inf.
+    """
+    B, L, V, _, K = check_build_args(draft_logits, 1, topk, active)
+    KP = _next_pow2(K + 1)  # one more rank than K, for the `exact` certificate
+    if KP <= SMALL_KP:
+        return _topk_segments(draft_logits, K, KP, active, chunk, chunk_warps)
+    return _topk_chunks(draft_logits, KP, active, chunk, chunk_warps)
 
 
 def build_tree(
@@ -440,10 +760,11 @@ def build_tree(
     ``budget`` n nodes per request, ``topk`` K per depth (default ``min(budget, 8)``),
     ``active`` bool [B] (False: the request gets an all-padding tree, e.g. in prefill; pass the
     static max_num_reqs batch with the unused rows False), ``ancestor_mask`` (compute the bit
-    rows). Returns a :class:`DraftTree`; three launches, no host synchronisation, static shapes.
-    Tuning (results do not depend on them): ``chunk`` (vocab entries per stage-1 program, a
-    power of two >= 2*next_pow2(K+1)), ``chunk_warps``, ``tree_warps``, ``mask_block`` (ancestor
-    rows per step, a power of two).
+    rows). Returns a :class:`DraftTree`; no host synchronisation, static shapes; two launches
+    for K + 1 <= 32 (plus a 4-byte-per-row memset when rows are split into segments), three
+    for larger K. Tuning (results do not depend on them): ``chunk`` (vocab entries per stage-1
+    program, a power of two >= 2*next_pow2(K+1)), ``chunk_warps`` (stage-1 warps),
+    ``tree_warps``, ``mask_block`` (ancestor rows per step, a power of two).
     """
     B, L, V, n, K = check_build_args(draft_logits, budget, topk, active)
     lse, top_lp, top_id = draft_topk(draft_logits, K, active=active, chunk=chunk,
@@ -459,16 +780,17 @@ def build_tree(
     exact = torch.empty((B,), dtype=torch.bool, device=dev)
     mask = torch.empty((B, n + 1, NW), dtype=i32, device=dev) if ancestor_mask else None
     if B:
-        NP = max(16, _next_pow2(n + 1))
+        NP = max(32, _next_pow2(n))
         NWP = max(1, _next_pow2(NW))
-        RB = int(mask_block) if mask_block else max(1, min(NP, 4096 // NWP))
+        nw = int(tree_warps) if tree_warps else 1
+        RB = int(mask_block) if mask_block else max(1, min(_next_pow2(n + 1), 1024 * nw // NWP))
         if RB & (RB - 1):
             raise ValueError(f"build_tree: argument `mask_block` must be a power of two, got {mask_block!r}")
         _tree_kernel[(B,)](
             top_lp, top_id, active, tokens, parents, depths, scores, mask, exact,
             L, K, n, NW,
-            KP=KP, NP=NP, NWP=NWP, RB=RB, HAS_ACTIVE=active is not None, WRITE_MASK=ancestor_mask,
-            num_warps=tree_warps or (1 if NP <= 128 else 4),
+            KP=KP, NP=NP, NWP=NWP, RB=RB, HAS_ACTIVE=active is not None,
+            WRITE_MASK=ancestor_mask, num_warps=nw,
         )
     return DraftTree(tokens, parents, depths, scores, mask, exact, lse, top_lp[..., :K],
                      top_id[..., :K])

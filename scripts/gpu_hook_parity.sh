@@ -14,7 +14,8 @@
 # Then, from the repository root, two `run` calls on one warm machine:
 #   run(carry=[".bundle/01", ".whl"], command="bash scripts/gpu_hook_parity.sh stage1")
 #   run(carry=[".bundle/02"],         command="bash scripts/gpu_hook_parity.sh stage2")
-# stage2 runs the configurations in order (v2-eager, v1-eager, v2-graphs, v1-graphs) while
+# stage2 runs the configurations in order (v2-eager, v1-eager, v2-graphs, v1-graphs; ONLY="tag ..."
+# limits it to those) while
 # BUDGET (s, default 330) lasts and names those it skipped (expected: v1-graphs); a third call
 # on the same warm machine (no carry), `bash scripts/gpu_hook_parity.sh stage2`, runs the rest
 # (logs persist in /tmp/hook_parity_logs there). Device time, estimated: stage1 ~25 s, stage2
@@ -41,6 +42,7 @@ run_configs() {  # SITE_ENV_DONE: PYTHONPATH etc. exported; runs what is not don
   for cfg in "${CONFIGS[@]}"; do
     set -- $cfg
     [ -f "$L/$1.log" ] && grep -q '^RESULT .*"ok": true' "$L/$1.log" && continue
+    case " ${ONLY:-$1} " in *" $1 "*) ;; *) continue ;; esac  # ONLY="v1-eager v2-graphs": just those
     left=$(( ${BUDGET:-330} - ($(date +%s) - T0) ))
     if [ $left -lt "$5" ]; then echo "SKIP $1 (needs ~$5 s, ${left} s left: run this stage again)"; continue; fi
     ph "$1 (limit ${left}s)"

@@ -145,12 +145,18 @@ def draft_runner() -> str:
       per-group causality: 0.26.0+, recognised by ``VllmConfig._dflash_needs_multi_kv_group``);
     * ``"v2"``: a V2 runner that does not (0.24.0-0.25.0).
 
-    Releases without the property (0.20.0-0.21.0) read ``VLLM_USE_V2_MODEL_RUNNER`` as their worker does."""
+    Releases without the property (0.20.0-0.21.0), and a drafter built with no current vLLM config
+    (0.28.0+ raise there, older releases warn and return a default one), read
+    ``VLLM_USE_V2_MODEL_RUNNER`` as their worker does."""
     try:
         from vllm.config import VllmConfig, get_current_vllm_config
     except ImportError:
         return V1
-    use_v2 = getattr(get_current_vllm_config(), "use_v2_model_runner", None)
+    try:
+        config = get_current_vllm_config()
+    except AssertionError:  # 0.28.0+: no config set (a drafter built outside vLLM's engine)
+        config = None
+    use_v2 = getattr(config, "use_v2_model_runner", None)
     if use_v2 is None:
         import vllm.envs as envs
 

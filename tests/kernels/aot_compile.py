@@ -69,6 +69,12 @@ MERGE_PTRS = dict(
     part_key_ptr="*i64", part_m_ptr="*fp32", part_s_ptr="*fp32", active_ptr="*i1",
     top_lp_ptr="*fp32", top_id_ptr="*i32", lse_ptr="*fp32", L="i32", V="i32", NCH="i32",
 )
+SEG_PTRS = dict(
+    logits_ptr="*bf16", active_ptr="*i1", part_key_ptr="*i64", part_m_ptr="*fp32",
+    part_s_ptr="*fp32", scr_ptr="*i32", ticket_ptr="*i32", top_lp_ptr="*fp32", top_id_ptr="*i32",
+    lse_ptr="*fp32", L="i32", V="i32", stride_b="i32", stride_l="i32", NSEG="i32", SEG="i32",
+    K="i32",
+)
 TREE_PTRS = dict(
     top_lp_ptr="*fp32", top_id_ptr="*i32", active_ptr="*i1", tok_ptr="*i32", par_ptr="*i32",
     dep_ptr="*i32", score_ptr="*fp32", mask_ptr="*i32", exact_ptr="*i1", L="i32", K="i32",
@@ -76,24 +82,38 @@ TREE_PTRS = dict(
 )
 
 
+# as launched: 4 warps, the register cap, 16-divisible strides / vocab / segment (the JIT
+# specialises them so: the 16-byte loads depend on it)
+SEG_OPTS = dict(num_warps=4, maxnreg=BT.SEG_MAXNREG, div=("V", "stride_b", "stride_l", "SEG"))
+
+
 def build_tree_variants():
     """The variants bench_build_tree.py launches (L = 16, V = 151,936, budgets 16/64/256)."""
-    for dtype in ("*bf16", "*fp32"):
-        for kp, active in ((16, False), (16, True), (32, False)):
+    for dtype, vec, kp, active, ntp, nsegp in (("*bf16", 8, 16, False, 64, 1),
+                                               ("*bf16", 8, 16, True, 2, 32),
+                                               ("*fp32", 4, 32, False, 16, 4)):
+        if True:
+            yield f"build_tree seg {dtype[1:]} KP={kp} active={active}", BT._seg_kernel, dict(
+                SEG_PTRS, logits_ptr=dtype), dict(
+                active_ptr="keep" if active else None, U=4096 // (128 * vec), NTHR=128, VEC=vec,
+                NTP=ntp, KP=kp, CS=16, NSEGP=nsegp, HAS_ACTIVE=active), SEG_OPTS
+    for dtype in ("*bf16", "*fp32"):  # K + 1 > 32: chunk + merge kernels
+        for kp, active in ((64, False), (64, True)):
             yield f"build_tree chunk {dtype[1:]} KP={kp} active={active}", BT._chunk_kernel, dict(
                 CHUNK_PTRS, logits_ptr=dtype), dict(
                 active_ptr="keep" if active else None, CHUNK=8192, KP=kp,
                 CAPT=max(128, 8 * kp), SUB=1024, HAS_ACTIVE=active,
                 KEY32=dtype == "*bf16"), 0
-    for kp, active in ((16, False), (32, True)):
+    for kp, active in ((64, False), (64, True)):
         yield f"build_tree merge KP={kp} active={active}", BT._merge_kernel, MERGE_PTRS, dict(
             active_ptr="keep" if active else None, NCHP=32, KP=kp, HAS_ACTIVE=active), 0
     for n, mask, active in ((16, True, False), (64, True, True), (256, True, False), (256, False, False)):
-        np_ = max(16, 1 << n.bit_length())
+        np_ = max(32, 1 << (n - 1).bit_length())
         nwp = 1 << ((n + 32) // 32 - 1).bit_length()
         yield f"build_tree tree n={n} mask={mask} active={active}", BT._tree_kernel, TREE_PTRS, dict(
             active_ptr="keep" if active else None, mask_ptr="keep" if mask else None, KP=16,
-            NP=np_, NWP=nwp, RB=min(np_, 4096 // nwp), HAS_ACTIVE=active, WRITE_MASK=mask), 0
+            NP=np_, NWP=nwp, RB=max(1, min(1 << n.bit_length(), 1024 // nwp)), HAS_ACTIVE=active,
+            WRITE_MASK=mask), dict(num_warps=1)
 
 
 def variants():
@@ -130,10 +150,15 @@ def variants():
 def main(archs):
     n = 0
     for arch in archs:
-        for name, fn, types, consts, _ in variants():
+        for name, fn, types, consts, opts in variants():
             consts = {k: v for k, v in consts.items() if v != "keep"}
-            src = ASTSource(fn=fn, signature=_sig(fn, types, consts), constexprs=consts)
-            k = triton.compile(src, target=GPUTarget("cuda", arch, 32))
+            opts = dict(opts) if isinstance(opts, dict) else {}
+            div = opts.pop("div", ())
+            attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+                     if a not in consts and (types[a].startswith("*") or a in div)}
+            src = ASTSource(fn=fn, signature=_sig(fn, types, consts), constexprs=consts,
+                            attrs=attrs if div else None)
+            k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
             assert k.asm.get("cubin"), name
             print(f"sm_{arch} {name}: cubin {len(k.asm['cubin'])} B, shared {k.metadata.shared}")
             n += 1

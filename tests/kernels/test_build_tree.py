@@ -249,6 +249,21 @@ def test_exact_certificate():
     _both(x[:4], n, 3)  # the kernel computes the same flags
 
 
+def test_segment_of_several_tiles_nan_redo_and_merge():
+    """A segment of several 4096-entry tiles (the in-flight prefetch and the masked tail), a NaN
+    in one row (the segment is read again sanitised) and the top-K spread over tiles, rows split
+    into two segments (the last one merges)."""
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(1, 3, 2 * 4096 + 8200, generator=g).to(torch.bfloat16)
+    x[0, 0, 5] = 7.0
+    x[0, 0, 4096 + 5] = 7.0  # equal value, same slot, later tile
+    x[0, 0, 3 * 4096 + 11] = 8.0
+    x[0, 1, 9000] = float("nan")
+    x[0, 2, :100] = float("-inf")
+    t = _both(x, 12, 8, chunk=16384)
+    assert t.topk_ids[0, 0, :3].tolist() == [3 * 4096 + 11, 5, 4096 + 5]
+
+
 def test_full_vocab_row():
     g = torch.Generator().manual_seed(5)
     x = torch.randn(1, 2, 151936, generator=g).to(torch.bfloat16)
@@ -296,6 +311,7 @@ def test_tree_feeds_tree_verify():
         (lambda: build_tree(torch.zeros(1, 2, 8), 4, 0), "topk"),
         (lambda: build_tree(torch.zeros(1, 2, 8), 4, active=torch.ones(2, dtype=torch.bool)), "active"),
         (lambda: build_tree(torch.zeros(1, 2, 8), 4, chunk=24), "chunk"),
+        (lambda: build_tree(torch.zeros(1, 2, 8), 4, chunk_warps=3), "chunk_warps"),
         (lambda: build_tree_ref(torch.zeros(1, 2, 8), 4, lse=torch.zeros(2)), "lse"),
     ],
 )
