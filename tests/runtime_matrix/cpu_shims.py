@@ -46,6 +46,19 @@ class Shim:
     needed: Callable[[Callable[[str], str]], str | None]  # sources -> the code-shape evidence, or None
     apply: Callable[[Callable[[str], str]], None]  # sources -> None (patches the imported vLLM)
     wraps: tuple[str, ...]  # "module:qualname" of what it replaces or adds (never a patched site)
+    # where the gap also depends on the process (vLLM imported): None when it is not there after all
+    # (e.g. vLLM kept the real Triton, so no C++ fallback or placeholder is in the way)
+    live: Callable[[], str | None] | None = None
+
+
+def _triton_disabled() -> str | None:
+    """vLLM disabled Triton in this process (``vllm.triton_utils.HAS_TRITON`` false): its kernels
+    are the placeholder's plain functions or the CPU build's C++ fallbacks. With
+    ``CUDA_VISIBLE_DEVICES=""`` (every test here) 0.20-0.29 keep Triton (their "distributed
+    environment" leniency) and run the real kernels under ``TRITON_INTERPRET=1``."""
+    from vllm.triton_utils import HAS_TRITON
+
+    return None if HAS_TRITON else "vllm.triton_utils.HAS_TRITON is False in this process"
 
 
 # ---- 1. the target's aux hidden-state layers (CPU runner 0.20-0.21) ------------------------------
@@ -257,10 +270,6 @@ def _dflash_triton_apply(_source) -> None:
 
     import vllm.v1.spec_decode.dflash as dflash
     import vllm.v1.spec_decode.utils as spec_decode_utils
-    from vllm.triton_utils import HAS_TRITON
-
-    if HAS_TRITON:
-        raise RuntimeError("cpu_shims: vLLM runs with Triton here; the DFlash kernel needs no shim")
     # 0.25.0's dflash.py takes next_power_of_2 from spec_decode.utils and computes cdiv inline, and
     # its CPU build adds a C++ fallback of the kernel; here the kernel itself runs, interpreted
     helpers = types.ModuleType("triton")
@@ -291,15 +300,13 @@ def _dflash_kernel_apply(_source) -> None:
     @functools.wraps(original)
     def _postprocess_triton(self, *a, **kw):
         original(self, *a, **kw)
-        from vllm.triton_utils import HAS_TRITON
+        import vllm.v1.spec_decode.utils as spec_decode_utils
+        from vllm.utils import cpu_triton_utils as cpu_tl
 
-        if not HAS_TRITON:  # the original returns early in that case, as here
-            import vllm.v1.spec_decode.utils as spec_decode_utils
-            from vllm.utils import cpu_triton_utils as cpu_tl
-
-            # as the line above it does for _copy_and_expand_eagle_inputs (0.31.0 registers the
-            # same fallback for this kernel: platforms/cpu.py register_triton_kernel_overrides)
-            spec_decode_utils._copy_and_expand_dflash_inputs.kernel = cpu_tl.copy_and_expand_dflash_inputs_kernel
+        # as the original does for _copy_and_expand_eagle_inputs (0.31.0 registers the same
+        # fallback for this kernel: platforms/cpu.py register_triton_kernel_overrides); applied only
+        # where HAS_TRITON is false (``live``), where the original installs its fallbacks
+        spec_decode_utils._copy_and_expand_dflash_inputs.kernel = cpu_tl.copy_and_expand_dflash_inputs_kernel
 
     CPUModelRunner._postprocess_triton = _postprocess_triton
 
@@ -330,29 +337,33 @@ SHIMS = (
          "(vLLM disables Triton on CPU; 0.25 adds the C++ fallback): the release's own kernel runs "
          "under Triton's interpreter",
          _dflash_triton_needed, _dflash_triton_apply,
-         ("vllm.v1.spec_decode.dflash:copy_and_expand_dflash_inputs_kernel", "vllm.v1.spec_decode.dflash:triton")),
+         ("vllm.v1.spec_decode.dflash:copy_and_expand_dflash_inputs_kernel", "vllm.v1.spec_decode.dflash:triton"),
+         _triton_disabled),
     Shim("cpu-dflash-inputs-kernel",
          "0.30's DFlash launches its input kernel through a dispatcher whose .kernel the CPU runner "
          "never points at the C++ fallback ('Cannot inspect kernel parameters for function'); "
          "0.31 registers the fallback for it",
          _dflash_kernel_needed, _dflash_kernel_apply,
-         ("vllm.v1.worker.cpu_model_runner:CPUModelRunner._postprocess_triton",)),
+         ("vllm.v1.worker.cpu_model_runner:CPUModelRunner._postprocess_triton",), _triton_disabled),
 )
 
 
 def needed(root: Path) -> list[dict]:
-    """The shims the vLLM under ``root`` needs (by the shape of its code), with their evidence."""
+    """The shims the vLLM under ``root`` may need (by the shape of its code, before any import: a
+    shim with ``live`` is applied only where the process shows the gap too), with their evidence."""
     src = sources(root)
     return [{"name": s.name, "reason": s.reason, "evidence": e} for s in SHIMS for e in [s.needed(src)] if e]
 
 
 def install(root: Path) -> list[dict]:
-    """Apply every shim the vLLM under ``root`` (the one imported) needs; what was applied."""
+    """Apply every shim the vLLM under ``root`` (the one imported) needs in this process; what was
+    applied (the same in every process of a release: harness.evaluate checks it)."""
     out = []
     src = sources(root)
     for shim in SHIMS:
         evidence = shim.needed(src)
-        if evidence:
+        live = shim.live() if evidence and shim.live else None
+        if evidence and (shim.live is None or live):
             shim.apply(src)
-            out.append({"name": shim.name, "reason": shim.reason, "evidence": evidence})
+            out.append({"name": shim.name, "reason": shim.reason, "evidence": evidence + (f"; {live}" if live else "")})
     return out

@@ -105,6 +105,10 @@ def run_cell(cell: dict) -> dict:
         res["runner_module"] = type(runner).__module__ if runner is not None else None
         if cell.get("drafter"):
             res["p1"] = p1(runner)
+            # ddtree-proposer's bind site (DFlashProposer.__init__): None while DDTree is off
+            drafter = getattr(runner, "drafter", None)
+            res["ddtree_proposer"] = (type(drafter).__name__, "absent" if not hasattr(drafter, "ddtree_proposer")
+                                      else repr(drafter.ddtree_proposer))
         if cell.get("swa_probe"):
             import swa_probe
 
@@ -116,7 +120,9 @@ def run_cell(cell: dict) -> dict:
                    for i in range(4)]
         sp = SamplingParams(max_tokens=24, temperature=0.0, detokenize=False, ignore_eos=True)
         t1 = time.perf_counter()
+        _LAST["steps"] = 0
         outs = llm.generate(prompts, sp, use_tqdm=False)
+        res["steps"] = _LAST["steps"]  # scheduler steps that scheduled tokens (fewer: drafts accepted)
         res["generate_s"] = round(time.perf_counter() - t1, 2)
         res["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
         step = "hook"
@@ -219,6 +225,8 @@ def _wrap_schedule(sched_cls):
     def schedule(self, *a, **kw):
         o = orig(self, *a, **kw)
         _LAST["out"] = o
+        if getattr(o, "total_num_scheduled_tokens", 0):
+            _LAST["steps"] = _LAST.get("steps", 0) + 1
         return o
 
     sched_cls.schedule = schedule
