@@ -6,13 +6,16 @@ Triton-kernel fallbacks). Each shim here fills one such gap the way the release'
 the next release's) does it, so that the release's engine can show what the patches do:
 
 * selected by the **shape of the code** the worker process actually imported (never by version
-  string): ``needed()`` returns the evidence (a sentence) or ``None``;
+  string): ``needed()`` returns the evidence (a sentence) or ``None``; a shim whose gap also depends
+  on the process (``live``: vLLM disabled Triton, as it does on a CPU machine; the worker runs
+  without ``CUDA_VISIBLE_DEVICES``) is applied only where the process shows it;
 * applied by the worker (``tests/patches/engine_tools/matrix_worker.py``) before any engine is
   built, identically in the pristine, patched and reverted processes, and recorded in the results
   (``"shims"`` per process, rendered in docs/matrix.md's notes);
-* faithful: the unpatched DFlash run with the shims gives tokens identical to no speculation, and
-  the draft attention probe (``swa_probe``) compares every recorded draft attention call with a
-  reference computed from the K/V the engine wrote (``harness.evaluate``: ``shims.faithful``).
+* faithful: the unpatched DFlash run with the shims gives tokens identical to no speculation in
+  fewer steps (drafts accepted), and the draft attention probe (``swa_probe``) compares the recorded
+  draft attention calls with a reference computed from the K/V the engine wrote (the check
+  ``cpu_shims`` of ``harness.evaluate``).
 
 None of them touches a function any patch rewrites (``tests/runtime_matrix/test_harness.py``
 checks that no shim wraps a function named in a patch's sites).
