@@ -295,6 +295,18 @@ def _dflash_kernel_needed(_source) -> str | None:
     return None
 
 
+# 0.30: the kernels DFlash's step launches through a dispatcher (triton_kernel_dispatcher_with_warmup)
+# whose ``.kernel`` CPUModelRunner._postprocess_triton does not point at the C++ fallback (it
+# rebinds the old module-level names only); 0.31.0 registers exactly these fallbacks
+DISPATCHED_FALLBACKS = (
+    ("vllm.v1.spec_decode.utils", "_copy_and_expand_dflash_inputs", "copy_and_expand_dflash_inputs_kernel"),
+    ("vllm.v1.sample.rejection_sampler", "_rejection_greedy_sample", "rejection_greedy_sample_kernel"),
+    ("vllm.v1.sample.rejection_sampler", "_rejection_random_sample", "rejection_random_sample_kernel"),
+    ("vllm.v1.sample.rejection_sampler", "_expand", "expand_kernel"),
+    ("vllm.v1.sample.rejection_sampler", "_sample_recovered_tokens", "sample_recovered_tokens_kernel"),
+)
+
+
 def _dflash_kernel_apply(_source) -> None:
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
@@ -303,13 +315,17 @@ def _dflash_kernel_apply(_source) -> None:
     @functools.wraps(original)
     def _postprocess_triton(self, *a, **kw):
         original(self, *a, **kw)
-        import vllm.v1.spec_decode.utils as spec_decode_utils
+        import importlib
+
         from vllm.utils import cpu_triton_utils as cpu_tl
 
         # as the original does for _copy_and_expand_eagle_inputs (0.31.0 registers the same
-        # fallback for this kernel: platforms/cpu.py register_triton_kernel_overrides); applied only
-        # where HAS_TRITON is false (``live``), where the original installs its fallbacks
-        spec_decode_utils._copy_and_expand_dflash_inputs.kernel = cpu_tl.copy_and_expand_dflash_inputs_kernel
+        # fallbacks for these kernels: platforms/cpu.py register_triton_kernel_overrides); applied
+        # only where HAS_TRITON is false (``live``), where the original installs its fallbacks
+        for module, dispatcher, fallback in DISPATCHED_FALLBACKS:
+            d = getattr(importlib.import_module(module), dispatcher, None)
+            if d is not None and hasattr(d, "kernel") and not isinstance(d.kernel, cpu_tl._FuncWrapper):
+                d.kernel = getattr(cpu_tl, fallback)
 
     CPUModelRunner._postprocess_triton = _postprocess_triton
 
@@ -343,9 +359,9 @@ SHIMS = (
          ("vllm.v1.spec_decode.dflash:copy_and_expand_dflash_inputs_kernel", "vllm.v1.spec_decode.dflash:triton"),
          _triton_disabled),
     Shim("cpu-dflash-inputs-kernel",
-         "0.30's DFlash launches its input kernel through a dispatcher whose .kernel the CPU runner "
-         "never points at the C++ fallback ('Cannot inspect kernel parameters for function'); "
-         "0.31 registers the fallback for it",
+         "0.30 launches DFlash's input kernel and the rejection sampler's kernels through dispatchers "
+         "whose .kernel the CPU runner never points at the C++ fallbacks ('Cannot inspect kernel "
+         "parameters for function'); 0.31 registers those fallbacks",
          _dflash_kernel_needed, _dflash_kernel_apply,
          ("vllm.v1.worker.cpu_model_runner:CPUModelRunner._postprocess_triton",), _triton_disabled),
 )
