@@ -56,10 +56,11 @@ DDTREE_ABI = 1  # the call-site <-> runtime contract; bump on any incompatible c
 ENV_ENABLE = "DDTREE_PATCH_ENABLE"
 ENV_BUDGET = "DDTREE_PATCH_BUDGET"
 ENV_CHAIN = "DDTREE_PATCH_CHAIN_AS_TREE"
-# Provisional: the H200 builder measurements (issue 12, piece 3) are not in yet. The paper's
-# speedup peaks at budgets 256-512 on H100-class GPUs with Qwen3-8B, but every verify node costs
-# target compute (N + 1 query rows per request) and KV slots, and the builder's cost grows with N;
-# 64 keeps a batch of 8 at 520 verify rows and is 4x a b16 DFlash chain's 16.
+# Measured builder cost on the H200 (docs/tree-builder.md, L = 16, V = 151,936): budget 64 is
+# 14.5 us over DFlash's argmax at B = 1 and 1.07-1.28x the logit-read floor at B >= 64; budget 256
+# adds 62-70 us per step at every B (sequential pop loop). Every verify node also costs target
+# compute (N + 1 query rows per request) and KV slots: 64 keeps a batch of 8 at 520 verify rows.
+# The end-to-end choice (target step included) is issue 14's measurement.
 DEFAULT_BUDGET = 64
 MAX_BUDGET = 2047  # == ddtree_patcher.kernels.tree_reference.MAX_BUDGET (the builder's limit)
 FILLER_TOKEN = 0  # chain nodes past the drafter's depth, and tree padding nodes
