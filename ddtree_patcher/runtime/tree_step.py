@@ -150,9 +150,15 @@ class TargetTreeStep:
             raise _not_ready("M-RoPE / XD-RoPE target (positions are not one row per token)")
         if getattr(getattr(runner, "model_config", None), "is_encoder_decoder", False):
             raise _not_ready("encoder-decoder target")
-        self.impl_views = {}  # id(attention impl) -> its layer's measured (K, V) views
+        self._init_state()
         self.groups = self._bind_layers(runner)  # [(gid, [K/V views (nb, bs, H, D)])]
         self.hook.post_walk = self.after_walk
+        logger.warning("ddtree-patch: tree-shaped target step active (V1 %s, %d target layers in %d KV-cache "
+                       "group(s), CPU_ATTN tree attention, KV compaction after the walk)",
+                       type(runner).__name__, sum(len(v) // 2 for _, v in self.groups), len(self.groups))
+
+    def _init_state(self) -> None:
+        self.impl_views = {}  # id(attention impl) -> its layer's measured (K, V) views
         # this step's plan (set by prepare, consumed by attention / after_walk / drafter_rows)
         self.active = False
         self.B = 0
@@ -173,9 +179,6 @@ class TargetTreeStep:
         self.moved_rows = 0  # KV rows moved (per step, summed over requests; not x layers)
         self.branch_accepts = 0  # accepted depths whose node was not the chain's (j_d != d)
         self.accepted_depths: dict[int, int] = {}  # accepted length a -> requests (tree requests)
-        logger.warning("ddtree-patch: tree-shaped target step active (V1 %s, %d target layers in %d KV-cache "
-                       "group(s), CPU_ATTN tree attention, KV compaction after the walk)",
-                       type(runner).__name__, sum(len(v) // 2 for _, v in self.groups), len(self.groups))
 
     # ---- start-up ---------------------------------------------------------------------------
     def _bind_layers(self, runner):
@@ -245,11 +248,9 @@ class TargetTreeStep:
     # ---- 1. _prepare_inputs: depth positions and this step's tree metadata -------------------
     def prepare(self, runner, scheduler_output, num_reqs: int, num_scheduled_tokens, total_tokens: int) -> None:
         """After ``compute_slot_mapping``: positions of tree rows become ``ctx + depth``."""
-        import numpy as np
-        import torch
-
         self.active = False
         self.moves = None
+        self.node_rows = None
         B = int(num_reqs)
         req_ids = runner.input_batch.req_ids[:B]
         spec = scheduler_output.scheduled_spec_decode_tokens
@@ -261,8 +262,16 @@ class TargetTreeStep:
             par = self.hook.pending_tree(rid, n)
             if par is not None:
                 trees.append((r, n, par))
-        if not trees:
-            return
+        if trees:
+            self.set_plan(B, int(total_tokens), num_scheduled_tokens, trees, runner.positions)
+
+    def set_plan(self, B: int, T: int, num_scheduled_tokens, trees, positions=None) -> None:
+        """This step's tree metadata from ``trees`` [(batch row, n nodes, local parents [n])]
+        (rows in batch order, ``num_scheduled_tokens`` per row); ``positions`` (the runner's
+        buffer, linear) get ``ctx + depth`` at the tree rows, in place."""
+        import numpy as np
+        import torch
+
         dev = self.device
         nsched = np.asarray(num_scheduled_tokens[:B], dtype=np.int64)
         qe = np.cumsum(nsched)
@@ -288,7 +297,7 @@ class TargetTreeStep:
         node_r = np.repeat(np.arange(B), nd)  # per node: its request
         node_j = np.concatenate([np.arange(1, n + 1) for n in nd if n]) if nd.any() else np.zeros(0, np.int64)
         node_rows_np = root_np[node_r] + node_j
-        upload = self.hook.upload
+        upload = self.upload
         self.node_rows = upload(node_rows_np.astype(np.int64))
         self.node_root = upload(root_np[node_r].astype(np.int64))
         self.node_index = upload(node_j.astype(np.int64))
@@ -296,18 +305,29 @@ class TargetTreeStep:
         self.tree_rows = upload(np.concatenate([root_np[tree_req], node_rows_np]).astype(np.int64))
         self.req_mask = upload(tree_req)
         flat = self.upload_index(node_r * W + node_j)
-        pos = runner.positions
-        pos.index_copy_(0, self.node_rows, pos[self.node_root] + depth.reshape(-1)[flat].to(pos.dtype))
+        if positions is not None:
+            positions.index_copy_(0, self.node_rows,
+                                  positions[self.node_root] + depth.reshape(-1)[flat].to(positions.dtype))
         self.ancestor_mask = pack_rows(anc)
-        self.B, self.T, self.W = B, int(total_tokens), W
+        self.depth = depth
+        self.B, self.T, self.W = B, int(T), W
         self.active = True
         self.tree_steps += 1
         self.tree_requests += len(trees)
 
+    def upload(self, array):
+        """A host numpy array on the device (pinned, non-blocking on CUDA: no sync)."""
+        import torch
+
+        t = torch.from_numpy(array)
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
+
     def upload_index(self, array):
         import numpy as np
 
-        return self.hook.upload(np.asarray(array, dtype=np.int64))
+        return self.upload(np.asarray(array, dtype=np.int64))
 
     # ---- 2. the attention backend's forward: ancestor-only attention --------------------------
     def attention(self, impl, query, key_cache, value_cache, attn_metadata, output) -> None:

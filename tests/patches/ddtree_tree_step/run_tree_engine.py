@@ -6,7 +6,6 @@ N_PROMPTS, MAX_TOKENS. The result carries the generated tokens and, for a DDTree
 counters of the tree walk (``hook.live_steps()``), of the tree-shaped target step
 (``runtime.tree_step``) and of the DDTree drafter.
 """
-import gc
 import json
 import os
 import sys
@@ -55,9 +54,9 @@ try:
                        for o in hook.live_steps()]
         res["tree_step"] = [tree_step.live(o.runner).counters() for o in hook.live_steps()
                             if tree_step.live(o.runner) is not None]
-        drafters = [o for o in gc.get_objects() if type(o).__name__ == "DDTreeDrafter"]
+        drafters = [getattr(getattr(o.runner, "drafter", None), "ddtree_proposer", None) for o in hook.live_steps()]
         res["drafter"] = [{"budget": d.budget, "depth": d.depth, "steps": d.steps, "tree_rows": d.tree_rows,
-                           "chain_rows": d.chain_rows} for d in drafters]
+                           "chain_rows": d.chain_rows} for d in drafters if d is not None]
     except ImportError:
         res["hook"] = "ddtree_patcher not importable"
     res["ok"] = True
