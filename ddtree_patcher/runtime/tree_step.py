@@ -176,8 +176,7 @@ class TargetTreeStep:
         self.tree_requests = 0  # requests scored as trees
         self.attention_calls = 0  # layer forwards that ran the tree attention
         self.compactions = 0  # steps whose accepted paths were compacted
-        self.moved_rows = 0  # KV rows moved (per step, summed over requests; not x layers)
-        self.branch_accepts = 0  # accepted depths whose node was not the chain's (j_d != d)
+        self.moved_rows = 0  # accepted depths whose node was not the chain's (j_d != d): KV rows moved
         self.accepted_depths: dict[int, int] = {}  # accepted length a -> requests (tree requests)
 
     # ---- start-up ---------------------------------------------------------------------------
@@ -376,7 +375,6 @@ class TargetTreeStep:
         self.compactions += 1
         n = int(src.numel())
         self.moved_rows += n
-        self.branch_accepts += n
         for a in acc[tree].tolist():
             self.accepted_depths[a] = self.accepted_depths.get(a, 0) + 1
         self.moves = (src, dst) if n else None
@@ -408,7 +406,7 @@ class TargetTreeStep:
     def counters(self) -> dict:
         return {"tree_steps": self.tree_steps, "tree_requests": self.tree_requests,
                 "attention_calls": self.attention_calls, "compactions": self.compactions,
-                "moved_rows": self.moved_rows, "branch_accepts": self.branch_accepts,
+                "moved_rows": self.moved_rows,
                 "accepted_depths": dict(sorted(self.accepted_depths.items()))}
 
 
