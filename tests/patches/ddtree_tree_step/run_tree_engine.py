@@ -2,7 +2,8 @@
 
 env: ROOT (checkpoints: make_tiny_ckpts.py, optionally branchy_ckpts.py), SPEC=0|1 (DFlash with
 num_speculative_tokens DEPTH, default 3), DDTREE_PATCH_ENABLE / DDTREE_PATCH_BUDGET (DDTree),
-N_PROMPTS, MAX_TOKENS. The result carries the generated tokens and, for a DDTree run, the
+N_PROMPTS, MAX_TOKENS; CONTROL=no-compaction (a negative control: the tree step runs but leaves
+the KV where the tree put it; the engine runs in-process, so the class is patched here). The result carries the generated tokens and, for a DDTree run, the
 counters of the tree walk (``hook.live_steps()``), of the tree-shaped target step
 (``runtime.tree_step``) and of the DDTree drafter.
 """
@@ -25,6 +26,20 @@ try:
 
     res["vllm"] = vllm.__version__
     res["vllm_file"] = vllm.__file__
+    if os.environ.get("CONTROL") == "no-compaction":
+        from ddtree_patcher.runtime import tree_step as _ts
+
+        _orig = _ts.TargetTreeStep.after_walk
+
+        def _no_moves(self, hook_step):
+            groups, self.groups = self.groups, []
+            try:
+                _orig(self, hook_step)
+            finally:
+                self.groups = groups
+
+        _ts.TargetTreeStep.after_walk = _no_moves
+        res["control"] = "no-compaction"
     step = "LLM()"
     kw = dict(model=f"{root}/target", skip_tokenizer_init=True, dtype="float32", max_model_len=256,
               max_num_seqs=8, enforce_eager=True, disable_log_stats=False, seed=0,
