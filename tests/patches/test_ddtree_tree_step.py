@@ -136,6 +136,7 @@ def test_refusal_names_why(monkeypatch, tmp_path):
         (tmp_path / rel).write_text("# unpatched\n")
     (tmp_path / "vllm" / "__init__.py").write_text("")
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "vllm", raising=False)  # an earlier test may have imported one
     why = tree_step.not_installed_reason()
     assert "not applied" in why and "gpu_model_runner.py" in why, why
     with pytest.raises(ddtree.DDTreeNotReady, match="tree-shaped target step") as exc:
