@@ -39,9 +39,10 @@ All of it runs on the device with static shapes: no ``.item()``, ``.tolist()``, 
 ``nonzero`` or boolean indexing; the only host work is on host-known data (request ids, the
 per-request tree-ok flags, uploaded with a non-blocking copy).
 
-**Until the tree-shaped target step exists (issue 13)** :func:`configure` ends with
-:func:`refuse_without_tree_target_step`: DDTree mode refuses to start (a chain-shaped target pass
-would verify trees with causal attention over node order and linear positions).
+**Only where the tree-shaped target step is installed** (issue 13: the ddtree-tree-step patch,
+``runtime.tree_step``: the V1 runner of the vLLM 0.28.0 shape with CPU_ATTN) does DDTree start:
+:func:`configure` ends with :func:`refuse_without_tree_target_step`; elsewhere a chain-shaped
+target pass would verify trees with causal attention over node order and linear positions.
 ``DDTREE_PATCH_CHAIN_AS_TREE=1`` (the tree-walk-hook diagnostic) does not involve this module.
 """
 
@@ -75,7 +76,8 @@ class DDTreeConfigError(ValueError):
 
 
 class DDTreeNotReady(RuntimeError):
-    """DDTree mode is refused until the tree-shaped target step exists (issue 13)."""
+    """DDTree mode is refused where the tree-shaped target step (issue 13) is not installed or
+    does not cover the configuration (runner, attention backend, layer options)."""
 
 
 class DDTreeABIError(RuntimeError):
@@ -170,17 +172,24 @@ def configure(spec, *, ddtree_abi: int) -> None:
     refuse_without_tree_target_step()
 
 
-# ======== ISSUE 13 REMOVES THIS (and its call at the end of configure) ========================
+# ---- issue 13: DDTree starts only where the tree-shaped target step is installed ------------
 def refuse_without_tree_target_step() -> None:
-    """DDTree drafting works, but the target still scores a verify batch as a chain (causal
-    attention over node order, positions ctx + node index, no KV compaction): trees verified
-    that way would be scored against the wrong prefixes. Refuse to start."""
-    raise DDTreeNotReady(
-        "ddtree-patch: DDTREE_PATCH_ENABLE=1 is refused: DDTree drafting (ddtree-proposer) is "
-        "installed, but the tree-shaped target step (ancestor-only attention, depth positions, "
-        "KV compaction; issue 13) is not, so the target would score the trees as chains. Unset "
-        f"{ENV_ENABLE} to run DFlash, or use {ENV_CHAIN}=1 for the chain-as-tree diagnostic.")
-# ===============================================================================================
+    """The target must score the trees as trees (ancestor-only attention, depth positions, KV
+    compaction: the ddtree-tree-step patch, ``runtime.tree_step``). Where that step is not
+    installed (another vLLM shape, VLLM_USE_V2_MODEL_RUNNER=1, the patch not applied) a
+    chain-shaped target pass would score the trees against the wrong prefixes: refuse to start,
+    naming why. The rest is checked where it is known: the V2 runner refuses when it is built
+    (a ddtree-tree-step site), the V1 runner checks the attention backend and the layers' options
+    when it binds the step."""
+    from . import tree_step
+
+    why = tree_step.not_installed_reason()
+    if why is not None:
+        raise DDTreeNotReady(
+            "ddtree-patch: DDTREE_PATCH_ENABLE=1 is refused: DDTree drafting (ddtree-proposer) is "
+            "installed, but the tree-shaped target step (ancestor-only attention, depth positions, "
+            f"KV compaction; issue 13) is not: {why}; the target would score the trees as chains. Unset "
+            f"{ENV_ENABLE} to run DFlash, or use {ENV_CHAIN}=1 for the chain-as-tree diagnostic.")
 
 
 def _record(spec_config, where: str) -> dict:

