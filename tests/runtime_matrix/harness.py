@@ -137,9 +137,10 @@ def has_v2_dflash(site: Path) -> bool:
 def plan(state: str, ck: dict, v2: bool, tier: str = "full") -> dict:
     """The cells of one process. ``tier`` "ci" keeps what the checks of every patch need on V1 and
     drops the rest (the pristine sliding-window drafters, the all-sliding drafter, the V2 attempts,
-    the reverted DFlash run). ``ddtree-v1`` (patched): DFlash with ``DDTREE_PATCH_ENABLE=1``, which
-    must refuse to start (``DDTreeNotReady``, ddtree-proposer); it fails in config validation,
-    before any model loads, so it costs ~1 s."""
+    the reverted DFlash run). ``ddtree-v1`` (patched): DFlash with ``DDTREE_PATCH_ENABLE=1`` (budget 8),
+    which must refuse to start (``DDTreeNotReady``, ddtree-proposer; it fails in config validation,
+    before any model loads, ~1 s) where ddtree-tree-step is not installed, and generate the
+    no-spec tokens where it is."""
     def cell(tag, drafter, runner="V1", swa=False, **env):
         return {"tag": tag, "target": ck["target"], "drafter": ck[drafter] if drafter else None, "swa_probe": swa,
                 "env": {"VLLM_USE_V2_MODEL_RUNNER": "1" if runner == "V2" else "0", **env}}
@@ -150,7 +151,7 @@ def plan(state: str, ck: dict, v2: bool, tier: str = "full") -> dict:
     cells = [cell("nospec", None), cell("dflash-v1", "plain")]
     if state == "patched":
         cells.append(cell("chain-v1", "plain", DDTREE_PATCH_CHAIN_AS_TREE="1"))
-        cells.append(cell("ddtree-v1", "plain", DDTREE_PATCH_ENABLE="1"))
+        cells.append(cell("ddtree-v1", "plain", DDTREE_PATCH_ENABLE="1", DDTREE_PATCH_BUDGET="8"))
     if v2 and full:
         cells.append(cell("dflash-v2", "plain", "V2"))
     if full or state == "patched":
@@ -286,6 +287,7 @@ PATCH_CHECKS = {
     "dflash-sliding-window": ["P3.mixed_v1", "P3.sliding_v1"],
     "tree-walk-hook": ["engine.chain_as_tree_v1"],
     "ddtree-proposer": ["ddtree.off_v1", "ddtree.refuses_v1"],
+    "ddtree-tree-step": ["ddtree.tree_v1"],
 }
 COMMON = ["apply", "cpu_shims", "engine.nospec", "engine.patched_nospec", "engine.patched_dflash_v1", "revert.bytes",
           "revert.engine"]
@@ -460,10 +462,16 @@ def evaluate(rec: dict) -> dict:
     ch["ddtree.off_v1"] = _engine(c, nospec)
     if ch["ddtree.off_v1"] is True and (c.get("ddtree_proposer") or [None, None])[1] != "None":
         ch["ddtree.off_v1"] = f"DFlash proposer's ddtree_proposer: {c.get('ddtree_proposer')} (want None)"
+    # where ddtree-tree-step is installed DDTree must instead start and generate the no-spec tokens
     c = _cell(rec, "patched", "ddtree-v1")
-    ch["ddtree.refuses_v1"] = (True if not c.get("ok") and c.get("error", "").startswith("at LLM(): ")
-                               and "DDTREE_PATCH_ENABLE=1 is refused" in c.get("error", "")
-                               else "started" if c.get("ok") else f"did not refuse by name: {c.get('error')}")
+    if (rec["apply"].get("statuses") or {}).get("ddtree-tree-step") == "applied":
+        ch["ddtree.tree_v1"] = _engine(c, nospec)
+        ch["ddtree.refuses_v1"] = ch["ddtree.tree_v1"]
+    else:
+        ch["ddtree.tree_v1"] = "n/a: ddtree-tree-step is not installed here (DDTree refuses)"
+        ch["ddtree.refuses_v1"] = (True if not c.get("ok") and c.get("error", "").startswith("at LLM(): ")
+                                   and "DDTREE_PATCH_ENABLE=1 is refused" in c.get("error", "")
+                                   else "started" if c.get("ok") else f"did not refuse by name: {c.get('error')}")
     p1 = _cell(rec, "patched", "dflash-v1").get("p1") or {}
     ch["P1.aux_layers"] = (True if p1.get("aux_layers") is not None and p1["aux_layers"] == p1.get("expected_0_33")
                            else f"aux layers {p1.get('aux_layers')} for target_layer_ids {p1.get('target_layer_ids')}, "
