@@ -149,6 +149,17 @@ def rules_rewrite(*rules) -> Callable[[str], Any]:
     return make
 
 
+def insert_statements(matcher: Matcher, code: str, *, after: bool) -> Callable[[str], Any]:
+    """A ``Site.rewrite``: ``code`` (statements already carrying the marker) right after, or right
+    before, every statement matching ``matcher()`` (before: its comment lines stay with it)."""
+
+    def insert(node):
+        body = list(cst.parse_module(code).body)
+        return cst.FlattenSentinel([node, *body] if after else [*body, node])
+
+    return rules_rewrite((matcher, insert))
+
+
 def any_of(*matchers: Matcher) -> Matcher:
     return lambda: m.OneOf(*(f() for f in matchers))
 

