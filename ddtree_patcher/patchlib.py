@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 import importlib
+import re
 from typing import Any, Callable, Mapping
 
 APPLIED = "applied"
@@ -195,3 +196,30 @@ def runtime_abi(module: str, attr: str, python: str | None) -> tuple[int | None,
     if proc.returncode != 0:
         return None, (proc.stderr.strip().splitlines() or ["?"])[-1]
     return int(proc.stdout.strip()), python
+
+
+def runtime_check(module: str, attr: str, label: str, files: tuple[str, ...],
+                  written: bytes) -> Callable[[Any, str | None], str | None]:
+    """A ``Patch.runtime`` for call sites that write their ABI into the files: ``written`` (a regex
+    with one group) finds it in ``files`` (paths under the site, missing ones skipped);
+    ``module.attr`` must import in vLLM's interpreter (``python``, else this one) and, where the
+    files carry an ABI, speak it."""
+    pattern = re.compile(written)
+
+    def check(site, python: str | None) -> str | None:
+        found = set()
+        for rel in files:
+            try:
+                found |= {int(a) for a in pattern.findall((site / rel).read_bytes())}
+            except FileNotFoundError:
+                pass
+        abi, where = runtime_abi(module, attr, python)
+        if abi is None:
+            return (f"{python} cannot import {module} ({where}): the patched vLLM would fail when DDTree is "
+                    "requested; install ddtree-patch in that environment or `ddtree-patch revert`")
+        if found and found != {abi}:
+            return (f"the call sites speak {label} ABI {sorted(found)} but {module} in {where} speaks {abi}: "
+                    "run `ddtree-patch revert && ddtree-patch apply` with the installed ddtree-patch")
+        return None
+
+    return check

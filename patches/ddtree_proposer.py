@@ -36,7 +36,7 @@ Not applicable before 0.20.0 (no DFlash). Nothing is upstream.
 
 from __future__ import annotations
 
-from ddtree_patcher.patchlib import Patch, PatchFile, Site, Variant, cst, insert_statements, m
+from ddtree_patcher.patchlib import Patch, PatchFile, Site, Variant, cst, insert_statements, m, runtime_check
 
 ID = "ddtree-proposer"
 MARK = f"# ddtree-patch: {ID}"
@@ -217,7 +217,8 @@ V1_TREE_SITE = Site(function=PROPOSE_FN, anchor="`if self.num_speculative_tokens
 V2_BIND_SITE = Site(function=V2_INIT_FN, anchor="`super().__init__(vllm_config, device)`",
                     unfixed=_super_init, rewrite=insert_statements(_super_init, V2_BIND_CODE, after=True))
 V2_TREE_SITE = Site(function=V2_DRAFT_FN, anchor="`draft_tokens = self.sample_draft(...)`",
-                    unfixed=_sample_draft_assign, rewrite=insert_statements(_sample_draft_assign, V2_TREE_CODE, after=False))
+                    unfixed=_sample_draft_assign,
+                    rewrite=insert_statements(_sample_draft_assign, V2_TREE_CODE, after=False))
 V2_TOKENS_SITE = Site(function=V2_RUNNER_FN,
                       anchor="`self.req_states.draft_tokens[input_batch.idx_mapping] = draft_tokens`",
                       unfixed=_store_drafts, rewrite=insert_statements(_store_drafts, V2_TOKENS_CODE, after=False),
@@ -263,27 +264,9 @@ SHAPES_V2_RUNNER = {V2_RUNNER_FN: frozenset({
 })}
 
 
-def _runtime(site, python: str | None) -> str | None:
-    """The call sites import ``ddtree_patcher.runtime.ddtree`` in vLLM's interpreter: it must be
-    importable there and speak the ABI written into them."""
-    import re
-
-    from ddtree_patcher.patchlib import runtime_abi
-
-    written = set()
-    for rel in (SPEC_PY, DFLASH_V1_PY, DFLASH_V2_PY):
-        try:
-            written |= {int(a) for a in re.findall(rb"ddtree_abi=(\d+)\)", (site / rel).read_bytes())}
-        except FileNotFoundError:
-            pass
-    abi, where = runtime_abi("ddtree_patcher.runtime.ddtree", "DDTREE_ABI", python)
-    if abi is None:
-        return (f"{python} cannot import ddtree_patcher.runtime.ddtree ({where}): the patched vLLM would fail "
-                "when DDTree is requested; install ddtree-patch in that environment or `ddtree-patch revert`")
-    if written and written != {abi}:
-        return (f"the call sites speak ddtree ABI {sorted(written)} but ddtree_patcher.runtime.ddtree in {where} "
-                f"speaks {abi}: run `ddtree-patch revert && ddtree-patch apply` with the installed ddtree-patch")
-    return None
+# the call sites import ddtree_patcher.runtime.ddtree in vLLM's interpreter
+_runtime = runtime_check("ddtree_patcher.runtime.ddtree", "DDTREE_ABI", "ddtree",
+                         (SPEC_PY, DFLASH_V1_PY, DFLASH_V2_PY), rb"ddtree_abi=(\d+)\)")
 
 
 PATCH = Patch(

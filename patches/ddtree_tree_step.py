@@ -33,7 +33,7 @@ Everywhere else the patch is not applicable and DDTree keeps refusing to start, 
 
 from __future__ import annotations
 
-from ddtree_patcher.patchlib import Patch, PatchFile, Site, Variant, insert_statements, m
+from ddtree_patcher.patchlib import Patch, PatchFile, Site, Variant, insert_statements, m, runtime_check
 
 ID = "ddtree-tree-step"
 MARK = f"# ddtree-patch: {ID}"
@@ -165,26 +165,9 @@ V2_SITE = Site(function=V2_INIT_FN, anchor="`self.speculative_config = vllm_conf
 ON = ("0.28.0",)
 
 
-def _runtime(site, python: str | None) -> str | None:
-    """The call sites import ``ddtree_patcher.runtime.tree_step`` in vLLM's interpreter: it must be
-    importable there and speak the ABI written into them."""
-    import re
-
-    from ddtree_patcher.patchlib import runtime_abi
-
-    written = set()
-    try:
-        written |= {int(a) for a in re.findall(rb"tree_step_abi=(\d+)\)", (site / RUNNER_PY).read_bytes())}
-    except FileNotFoundError:
-        pass
-    abi, where = runtime_abi("ddtree_patcher.runtime.tree_step", "TREE_STEP_ABI", python)
-    if abi is None:
-        return (f"{python} cannot import ddtree_patcher.runtime.tree_step ({where}): the patched vLLM would fail "
-                "when DDTree is requested; install ddtree-patch in that environment or `ddtree-patch revert`")
-    if written and written != {abi}:
-        return (f"the call sites speak tree-step ABI {sorted(written)} but ddtree_patcher.runtime.tree_step in "
-                f"{where} speaks {abi}: run `ddtree-patch revert && ddtree-patch apply` with the installed ddtree-patch")
-    return None
+# the call sites import ddtree_patcher.runtime.tree_step in vLLM's interpreter
+_runtime = runtime_check("ddtree_patcher.runtime.tree_step", "TREE_STEP_ABI", "tree-step", (RUNNER_PY,),
+                         rb"tree_step_abi=(\d+)\)")
 
 
 PATCH = Patch(
