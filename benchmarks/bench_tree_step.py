@@ -441,6 +441,47 @@ def bench_attention(cache, fa, dev, B, n, ctx, Hq, l2, timer):
     return row
 
 
+SWEEP_SHAPES = ((32, 64, 1024), (8, 64, 1024), (8, 16, 1024), (1, 16, 1024))
+SWEEP_CFGS = [dict(block_m=m, block_t=t, num_warps=w, num_stages=s) for m in (16, 32, 64, 128)
+              for t in (16, 32, 64) for w in (2, 4, 8) for s in (1, 2, 3)
+              if not (m == 128 and w == 2) and not (m == 16 and w == 8)]
+
+
+def sweep_pass(cache, dev, Hq, l2, timer, shapes, cfgs, deadline):
+    """The tree pass + merge alone (tree_attention_merge from a given context pass) per launch
+    configuration: which (BLOCK_M, BLOCK_T, warps, stages) is fastest at each shape."""
+    out_rows = []
+    for B, n, ctx in shapes:
+        gen = torch.Generator().manual_seed(3 * B + n)
+        Hkv, D = cache.k.shape[2], cache.k.shape[3]
+        sets = n_sets(B * (n + 1) * Hq * D * 2 * 3, l2)
+        while sets > 1 and sets * B * math.ceil((ctx + n + 1) / cache.bs) > cache.nb:
+            sets -= 1
+        st = Step(cache, B, n, ctx, Hq, dev, gen, sets=sets)
+        fake_ctx = torch.randn_like(st.q)
+        fake_lse = torch.full((Hq, st.T), 8.0, device=dev)
+        out2 = torch.empty_like(st.q)
+        ref = K.tree_attention_merge(*st.args(cache, 0), fake_ctx, fake_lse)
+        res = []
+        for cfg in cfgs:
+            if time.time() > deadline:
+                break
+            try:
+                got = K.tree_attention_merge(*st.args(cache, 0), fake_ctx, fake_lse, **cfg)
+                err = (got.float() - ref.float()).abs().max().item()
+                us = timer([lambda i=i: K.tree_attention_merge(*st.args(cache, i), fake_ctx, fake_lse, out=out2,
+                                                                **cfg) for i in range(sets)])
+                res.append(dict(cfg, us=us, maxdiff=err))
+            except Exception as e:  # noqa: BLE001 (a config that does not compile: skipped)
+                res.append(dict(cfg, error=f"{type(e).__name__}: {str(e)[:200]}"))
+        ok = sorted((r for r in res if "us" in r), key=lambda r: r["us"])
+        default = next((r for r in res if "us" in r and r["block_m"] == 64 and r["num_warps"] == 4
+                        and r["block_t"] == (64 if n + 1 >= 64 else 32) and r["num_stages"] == 3), None)
+        out_rows.append(dict(B=B, n=n, ctx=ctx, best=ok[:5], default=default, tried=len(res)))
+        log(f"[sweep] B={B} n={n} ctx={ctx}: best {ok[:3]} default {default}")
+    return out_rows
+
+
 def bench_compaction(dev, B, n, H, D, hidden, layers_n, timer):
     gen = torch.Generator().manual_seed(7 + n)
     ctx = 64
@@ -468,6 +509,8 @@ def main():
                     help="seconds after which the remaining timing rows are skipped")
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--no-fa", action="store_true", help="do not import vLLM's FlashAttention (FA columns n/a)")
+    ap.add_argument("--sweep", type=float, default=0.0,
+                    help="seconds for a launch-configuration sweep of the tree pass (0: none)")
     args = ap.parse_args()
     t_start = time.time()
     smoke = args.smoke
@@ -526,6 +569,10 @@ def main():
             results["compaction"].append(dict(B=B, n=n, error=traceback.format_exc()[-2500:]))
             log(results["compaction"][-1]["error"])
             failed.append(f"compaction-bench B={B} n={n}")
+    if args.sweep > 0:
+        shapes = SWEEP_SHAPES if not smoke else ((2, 4, 20),)
+        cfgs = SWEEP_CFGS if not smoke else SWEEP_CFGS[:2]
+        results["sweep"] = sweep_pass(cache, dev, Hq, l2, timer, shapes, cfgs, time.time() + args.sweep)
     for ctx in ctxs:
         for n in ns:
             for B in batches:

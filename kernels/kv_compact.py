@@ -11,11 +11,14 @@ assumes the accepted path is the first ``a + 1`` query rows of the request, so:
 * ``gather_accepted_rows``: the same move on the rows of 2-D tensors (the drafter's context
   hidden states), and optionally the positions restored to ``positions[q_start] + i``.
 
-One Triton kernel does both: grid ``(B, num_views, cdiv(H * X, CHUNK))``; a program loads the
-chunk of every accepted depth (all sources), passes a CTA barrier, then stores them (all
-destinations). Two programs never touch the same bytes (different request, view or chunk), so
-chains with ``j_d > d`` that overlap (depth d reads the slot that depth d' < j_d writes) are safe
-without a second launch. Views are reached through a table of data pointers, so one launch covers
+One Triton kernel does both: grid ``(B, num_views, cdiv(H * X, CHUNK))``; a program moves its
+chunk depth by depth in increasing d (load the source, store the destination). In node order the
+node accepted at depth d has local index ``j_d >= d`` (its ancestors come first), so no depth
+reads a slot that an earlier depth wrote, and a slot that an earlier depth read (``j_d' = d``,
+``d' < d``) is overwritten only after that read, by the same lane: chains with ``j_d > d`` that
+overlap are safe without a second launch. (Any ``accepted_rows`` of a walk over a tree in node
+order satisfies ``j_d >= d``; other row lists are outside the contract.) Two programs never touch
+the same bytes (different request, view or chunk). Views are reached through a table of data pointers, so one launch covers
 every layer whose views share shape, strides and element size (normally all of them); the copy
 is of raw bytes (int8/16/32/64 by element size), so fp8, bf16 and fp32 caches are moved exactly.
 No host synchronisation; static grid for a given (B, views): capturable.
@@ -67,16 +70,25 @@ def _move_rows_kernel(
     else:
         src = qs + jd
         dst = qs + d
-    src_off = (src // block_size) * s_blk + (src % block_size) * s_off
-    dst_off = (dst // block_size) * s_blk + (dst % block_size) * s_off
     e = c * CHUNK + tl.arange(0, CHUNK)
     e_ok = e < NE
     e_off = (e // X).to(tl.int64) * s_h + (e % X).to(tl.int64) * s_x
     base = tl.load(ptr_table + v).to(tl.pointer_type(ELT))
-    m2 = ok[:, None] & e_ok[None, :]
-    vals = tl.load(base + src_off[:, None] + e_off[None, :], mask=m2, other=0)
-    tl.debug_barrier()  # every source of this chunk is read before any destination is written
-    tl.store(base + dst_off[:, None] + e_off[None, :], vals, mask=m2)
+    # Depth by depth, in increasing d: node j_d sits at local index >= d (its d ancestors come
+    # first in node order), so the source of a later depth is never a slot an earlier depth wrote
+    # (j_d' >= d' > d), and a slot read by an earlier depth (j_d' = d, d' < d) is written only
+    # after that read (same thread: every depth maps element e to the same lane). One [CHUNK]
+    # tile in flight: no register spills whatever W is.
+    last = tl.minimum(a, tl.minimum(W, BLOCK_W) - 1)
+    for i in range(1, last + 1):
+        take = (d == i) & ok
+        s_i = tl.sum(tl.where(take, src, 0), 0)
+        t_i = tl.sum(tl.where(take, dst, 0), 0)
+        if tl.sum(take.to(tl.int32), 0) > 0:
+            s_off_i = (s_i // block_size) * s_blk + (s_i % block_size) * s_off
+            t_off_i = (t_i // block_size) * s_blk + (t_i % block_size) * s_off
+            vals = tl.load(base + s_off_i + e_off, mask=e_ok, other=0)
+            tl.store(base + t_off_i + e_off, vals, mask=e_ok)
     if HAS_POS:
         if (v == 0) & (c == 0):
             qlen = tl.load(qsl_ptr + r + 1).to(tl.int64) - qs

@@ -226,7 +226,7 @@ def _check(q, k_cache, v_cache, block_table, query_start_loc, context_lens, ance
 
 def _launch(q, k_cache, v_cache, block_table, query_start_loc, context_lens, ancestor_mask,
             softmax_scale, ctx_mode, ctx_out, ctx_lse, out, lse, return_lse, request_mask,
-            num_reqs, block_m, block_n, block_t, num_warps):
+            num_reqs, block_m, block_n, block_t, num_warps, num_stages=None):
     B, T, Hq, D, Hkv, bs, W = _check(q, k_cache, v_cache, block_table, query_start_loc,
                                      context_lens, ancestor_mask, num_reqs, request_mask)
     G = Hq // Hkv
@@ -276,7 +276,7 @@ def _launch(q, k_cache, v_cache, block_table, query_start_loc, context_lens, anc
             CTX_MODE=ctx_mode, WRITE_LSE=write_lse, HAS_REQ_MASK=request_mask is not None,
             DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
             DOT_UPCAST=q.dtype == torch.bfloat16 and _INTERPRETING,
-            num_warps=num_warps,
+            num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
         )
     return (out, lse) if return_lse else out
 
@@ -306,7 +306,8 @@ def tree_attention_merge(q, k_cache, v_cache, block_table, query_start_loc, cont
                          lse: Optional[torch.Tensor] = None, return_lse: bool = False,
                          request_mask: Optional[torch.Tensor] = None,
                          num_reqs: Optional[int] = None, block_m: Optional[int] = None,
-                         block_t: Optional[int] = None, num_warps: int = 4):
+                         block_t: Optional[int] = None, num_warps: int = 4,
+                         num_stages: Optional[int] = None):
     """The tree pass merged with a given context pass (``ctx_out [T, Hq, D]``, ``ctx_lse``
     float32 ``[Hq, >= T]``, FlashAttention's output and ``softmax_lse``). ``out`` may be
     ``ctx_out`` (in place). ``ctx_out=None`` and ``ctx_lse=None``: tree keys only. Other
@@ -316,4 +317,4 @@ def tree_attention_merge(q, k_cache, v_cache, block_table, query_start_loc, cont
     mode = 0 if ctx_out is None else 2
     return _launch(q, k_cache, v_cache, block_table, query_start_loc, context_lens, ancestor_mask,
                    softmax_scale, mode, ctx_out, ctx_lse, out, lse, return_lse, request_mask,
-                   num_reqs, block_m, 64, block_t, num_warps)
+                   num_reqs, block_m, 64, block_t, num_warps, num_stages)

