@@ -250,8 +250,10 @@ def _launch(q, k_cache, v_cache, block_table, query_start_loc, context_lens, anc
     BLOCK_D = max(16, triton.next_power_of_2(D))
     if block_m is None:
         block_m = 64 if W * G >= 64 else max(16, triton.next_power_of_2(W * G))
-    if block_t is None:
-        block_t = 64 if W >= 64 else max(16, triton.next_power_of_2(W))
+    if block_t is None:  # H200 sweep (bench_tree_step --sweep, 2026-11-30): 32-key tiles, 1 stage
+        block_t = 32 if W >= 32 else max(16, triton.next_power_of_2(W))
+    if num_stages is None:
+        num_stages = 1
     grid = (B, Hkv, triton.cdiv(W * G, block_m))
     dummy = out
     cdo = ctx_out if ctx_mode == 2 else dummy
@@ -276,7 +278,7 @@ def _launch(q, k_cache, v_cache, block_table, query_start_loc, context_lens, anc
             CTX_MODE=ctx_mode, WRITE_LSE=write_lse, HAS_REQ_MASK=request_mask is not None,
             DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
             DOT_UPCAST=q.dtype == torch.bfloat16 and _INTERPRETING,
-            num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
+            num_warps=num_warps, num_stages=num_stages,
         )
     return (out, lse) if return_lse else out
 

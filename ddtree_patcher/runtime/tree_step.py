@@ -47,7 +47,10 @@ MARK = "# ddtree-patch: ddtree-tree-step"
 # Files that carry the call sites (relative to the directory holding the ``vllm`` package).
 RUNNER_PY = "vllm/v1/worker/gpu_model_runner.py"
 CPU_ATTN_PY = "vllm/v1/attention/backends/cpu_attn.py"
-COVERED_IMPLS = ("CPUAttentionBackendImpl",)  # attention impls whose forward carries the site
+FLASH_ATTN_PY = "vllm/v1/attention/backends/flash_attn.py"
+ATTN_FILES = (CPU_ATTN_PY, FLASH_ATTN_PY)  # a tree step needs the site of the backend it runs on
+# attention impls whose forward can carry the site
+COVERED_IMPLS = ("CPUAttentionBackendImpl", "FlashAttentionImpl")
 
 logger = logging.getLogger("vllm.ddtree_patch")
 
@@ -89,19 +92,25 @@ def not_installed_reason() -> str | None:
         return "vLLM is not importable in this process"
     root = Path(list(spec.submodule_search_locations)[0]).parent
     want = f"tree_step_abi={TREE_STEP_ABI})".encode()
-    for rel in (RUNNER_PY, CPU_ATTN_PY):
+    try:
+        data = (root / RUNNER_PY).read_bytes()
+    except OSError:
+        return f"{RUNNER_PY} not found in {root}"
+    if MARK.encode() not in data:
+        return (f"the ddtree-tree-step patch is not applied to this vLLM ({root / RUNNER_PY} has no call "
+                "site; it applies to the V1 runner of the vLLM 0.25.0-0.28.0 code shapes: `ddtree-patch "
+                "status`)")
+    if want not in data:
+        return (f"{root / RUNNER_PY}: the ddtree-tree-step call sites speak another ABI than the installed "
+                f"runtime ({TREE_STEP_ABI}): `ddtree-patch revert && ddtree-patch apply`")
+    for rel in ATTN_FILES:  # the backend actually used is checked when the runner binds
         try:
-            data = (root / rel).read_bytes()
+            if MARK.encode() in (root / rel).read_bytes():
+                return None
         except OSError:
-            return f"{rel} not found in {root}"
-        if MARK.encode() not in data:
-            return (f"the ddtree-tree-step patch is not applied to this vLLM ({root / rel} has no call "
-                    "site; it applies to the V1 runner of the vLLM 0.28.0 code shape: `ddtree-patch "
-                    "status`)")
-        if rel == RUNNER_PY and want not in data:
-            return (f"{root / rel}: the ddtree-tree-step call sites speak another ABI than the installed "
-                    f"runtime ({TREE_STEP_ABI}): `ddtree-patch revert && ddtree-patch apply`")
-    return None
+            continue
+    return (f"no attention backend of this vLLM carries the ddtree-tree-step site ({', '.join(ATTN_FILES)}: "
+            "CPU_ATTN on the 0.28.0 shape, FlashAttention 3 on the 0.26.0/0.27.0 shape)")
 
 
 def refuse_v2(*, tree_step_abi: int) -> None:
@@ -150,15 +159,51 @@ class TargetTreeStep:
             raise _not_ready("M-RoPE / XD-RoPE target (positions are not one row per token)")
         if getattr(getattr(runner, "model_config", None), "is_encoder_decoder", False):
             raise _not_ready("encoder-decoder target")
+        if self.cuda:
+            self._check_cuda_graphs(runner)
         self._init_state()
-        self.groups = self._bind_layers(runner)  # [(gid, [K/V views (nb, bs, H, D)])]
+        self.groups = self._bind_layers(runner)  # [(gid, [K/V views (nb, bs, H, X)])]
+        self.compactors = None
+        if self.cuda:  # one Triton launch per group and step, pointer tables built once here
+            from ddtree_patcher.kernels import KVCompactor
+
+            self.compactors = [(gid, KVCompactor(views)) for gid, views in self.groups]
+        if getattr(runner, "cascade_attn_enabled", False):
+            runner.cascade_attn_enabled = False  # cascade attention runs another FA call: no tree pass
+            logger.warning("ddtree-patch: cascade attention disabled for DDTree (tree steps need the "
+                           "non-cascade attention path)")
         self.hook.post_walk = self.after_walk
         logger.warning("ddtree-patch: tree-shaped target step active (V1 %s, %d target layers in %d KV-cache "
-                       "group(s), CPU_ATTN tree attention, KV compaction after the walk)",
-                       type(runner).__name__, sum(len(v) // 2 for _, v in self.groups), len(self.groups))
+                       "group(s), %s tree attention, KV compaction after the walk)",
+                       type(runner).__name__, self.num_layers, len(self.groups), self.backend)
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @staticmethod
+    def _check_cuda_graphs(runner) -> None:
+        """FULL CUDA graphs would replay the chain step's attention (captured without a tree):
+        DDTree needs attention outside the graphs (PIECEWISE, or eager)."""
+        cc = getattr(runner, "compilation_config", None)
+        mode = getattr(cc, "cudagraph_mode", None)
+        full = getattr(mode, "has_full_cudagraphs", None)
+        if mode is not None and callable(full) and full():
+            raise _not_ready(
+                f"CUDA graph mode {getattr(mode, 'name', mode)}: FULL graphs capture the attention of a "
+                "chain step; the tree step runs attention outside the graphs. Start vLLM with "
+                "compilation_config={'cudagraph_mode': 'PIECEWISE'} (`-cc.cudagraph_mode=PIECEWISE`) or "
+                "enforce_eager=True")
 
     def _init_state(self) -> None:
-        self.impl_views = {}  # id(attention impl) -> its layer's measured (K, V) views
+        self.impl_views = {}  # id(attention impl) -> its layer's measured (K, V) views (CPU_ATTN)
+        self.fa_varlen = None  # FlashAttention's flash_attn_varlen_func (the forward's own), FA3 path
+        self.backend = None  # "CPU_ATTN" | "FLASH_ATTN (FA3)"
+        self.num_layers = 0
+        self.root_ext = None  # int64 [B + 1]: each request's root row (then T): the compaction's row base
+        self.acc_eff = None  # int32 [B]: accepted depth of tree requests, 0 elsewhere (CUDA path)
+        self.acc_rows = None  # the walk's accepted rows [B, W] (CUDA path)
+        self.dev_counts = None  # int64 [2 + W] on the device: moved rows, -, accepted-length histogram
         # this step's plan (set by prepare, consumed by attention / after_walk / drafter_rows)
         self.active = False
         self.B = 0
@@ -206,38 +251,68 @@ class TargetTreeStep:
                 impl = getattr(layer, "impl", None)
                 iname = type(impl).__name__
                 if iname not in COVERED_IMPLS or not _forward_has_site(impl):
-                    raise _not_ready(f"attention backend {iname} of layer {name} (covered: CPU_ATTN with "
-                                     "this patch's forward site)")
+                    raise _not_ready(f"attention backend {iname} of layer {name} (covered: CPU_ATTN and "
+                                     "FlashAttention 3, with this patch's forward site)")
                 why = self._impl_refusal(impl)
                 if why:
                     raise _not_ready(f"layer {name}: {why}")
                 kv = layer.kv_cache
                 if isinstance(kv, (list, tuple)):
                     kv = kv[0]
-                k, v = cpu_kv_views(impl, kv)
+                if iname == "FlashAttentionImpl":
+                    layer_views = self._fa_views(impl, kv, name)
+                    backend = "FLASH_ATTN (FA3)"
+                else:
+                    k, v = cpu_kv_views(impl, kv)
+                    self.impl_views[id(impl)] = (k, v)
+                    layer_views = [k, v]
+                    backend = "CPU_ATTN"
+                if self.backend not in (None, backend):
+                    raise _not_ready(f"layers on two attention backends ({self.backend}, {backend})")
+                self.backend = backend
                 impl.__dict__[ATTR] = self
-                self.impl_views[id(impl)] = (k, v)
+                self.num_layers += 1
                 if kv.data_ptr() in seen:  # a layer sharing another's KV (KV sharing): moved once
                     continue
                 seen.add(kv.data_ptr())
-                views.extend((k, v))
+                views.extend(layer_views)
             if views:
                 groups.append((gid, views))
         if not groups:
             raise _not_ready("no target attention layer found")
         return groups
 
+    def _fa_views(self, impl, kv, name):
+        """FlashAttention 0.26+: the layer cache is logical ``(nb, H, bs, 2D)`` (any stride order);
+        ``kv.transpose(1, 2)`` = ``(nb, bs, H, 2D)`` moves K and V of a token together."""
+        version = getattr(impl, "vllm_flash_attn_version", None)
+        if version != 3:
+            raise _not_ready(f"layer {name}: FlashAttention version {version} (the tree step's context pass "
+                             "calls FA3's flash_attn_varlen_func with return_softmax_lse)")
+        if getattr(impl, "dcp_world_size", 1) > 1:
+            raise _not_ready(f"layer {name}: decode context parallelism (dcp_world_size {impl.dcp_world_size})")
+        if kv.ndim != 4 or kv.shape[1] != impl.num_kv_heads or kv.shape[3] != 2 * impl.head_size:
+            raise _not_ready(f"layer {name}: KV cache of shape {tuple(kv.shape)}, expected the FlashAttention "
+                             f"(num_blocks, {impl.num_kv_heads}, block_size, {2 * impl.head_size}) layout")
+        if impl.head_size > 256 or impl.head_size % 8:
+            raise _not_ready(f"layer {name}: head size {impl.head_size}")
+        import sys
+
+        self.fa_varlen = getattr(sys.modules[type(impl).__module__], "flash_attn_varlen_func")
+        return [kv.transpose(1, 2)]
+
     @staticmethod
     def _impl_refusal(impl) -> str | None:
-        if getattr(impl, "sliding_window", -1) not in (-1, None):
-            return f"sliding window {impl.sliding_window}"
+        if getattr(impl, "sliding_window", -1) not in (-1, None, (-1, -1), [-1, -1]):
+            return f"sliding window {impl.sliding_window}"  # FlashAttention says (-1, -1) for none
         if getattr(impl, "logits_soft_cap", 0):
             return f"logits softcap {impl.logits_soft_cap}"
         if getattr(impl, "alibi_slopes", None) is not None:
             return "ALiBi"
         if getattr(impl, "sinks", None) is not None:
             return "attention sinks"
-        if getattr(impl, "is_fp8_kv_cache", False):
+        if getattr(impl, "is_fp8_kv_cache", False) or str(getattr(impl, "kv_cache_dtype", "auto")) not in (
+                "auto", "bfloat16", "float16", "float32"):
             return f"quantized KV cache ({impl.kv_cache_dtype})"
         attn_type = str(getattr(impl, "attn_type", "decoder")).lower()
         if "decoder" not in attn_type or "encoder" in attn_type:
@@ -301,6 +376,7 @@ class TargetTreeStep:
         self.node_root = upload(root_np[node_r].astype(np.int64))
         self.node_index = upload(node_j.astype(np.int64))
         self.root_rows = upload(root_np.astype(np.int64))
+        self.root_ext = upload(np.append(root_np, int(T)).astype(np.int64))
         self.tree_rows = upload(np.concatenate([root_np[tree_req], node_rows_np]).astype(np.int64))
         self.req_mask = upload(tree_req)
         flat = self.upload_index(node_r * W + node_j)
@@ -336,6 +412,8 @@ class TargetTreeStep:
         forward's ``key_cache``/``value_cache``)."""
         if not self.active or attn_metadata is None:
             return
+        if self.fa_varlen is not None:
+            return self._fa_attention(impl, query, key_cache, value_cache, attn_metadata, output)
         from ddtree_patcher.kernels import tree_attention_ref
 
         md = attn_metadata
@@ -351,6 +429,34 @@ class TargetTreeStep:
         o.index_copy_(0, self.tree_rows, out.index_select(0, self.tree_rows).to(o.dtype))
         self.attention_calls += 1
 
+    def _fa_attention(self, impl, query, key_cache, value_cache, md, output) -> None:
+        """FlashAttention ``forward``, after its own causal call: for the tree requests, FA3 over
+        the context only (``causal=False``, ``seqused_k = ctx``, ``return_softmax_lse``) into a
+        scratch buffer, then ``tree_attention_merge`` (Triton) adds the tree keys with the ancestor
+        bitmask to that softmax state and writes the tree requests' rows of ``output``. Other
+        requests keep the causal result. Device work only (no host synchronisation)."""
+        import torch
+
+        from ddtree_patcher.kernels import tree_attention_merge
+
+        B = self.B
+        T = int(md.num_actual_tokens)
+        H, D = impl.num_heads, impl.head_size
+        qsl = md.query_start_loc
+        ctx = md.seq_lens[:B] - (qsl[1:B + 1] - qsl[:B])
+        ctx = torch.where(self.req_mask, ctx, torch.zeros_like(ctx))  # other requests: no context pass
+        q = query[:T].view(T, H, D)
+        scratch = torch.empty_like(q)
+        _, lse = self.fa_varlen(
+            q=q, k=key_cache, v=value_cache, out=scratch, cu_seqlens_q=qsl[:B + 1],
+            max_seqlen_q=md.max_query_len, seqused_k=ctx, max_seqlen_k=md.max_seq_len,
+            softmax_scale=impl.scale, causal=False, block_table=md.block_table,
+            return_softmax_lse=True, fa_version=3)
+        o = output[:T].view(T, H, D)
+        tree_attention_merge(q, key_cache, value_cache, md.block_table, qsl, ctx, self.ancestor_mask,
+                             impl.scale, scratch, lse, out=o, request_mask=self.req_mask, num_reqs=B)
+        self.attention_calls += 1
+
     # ---- 3. after the walk: KV compaction ----------------------------------------------------
     def after_walk(self, hook_step) -> None:
         """``TreeStep.keep`` (the walk's result is in its buffers): move the accepted path's KV
@@ -361,6 +467,8 @@ class TargetTreeStep:
 
         self.active = False  # the drafter's forward (its own layers) comes next
         B = self.B
+        if self.cuda:
+            return self._after_walk_device(hook_step)
         rows = hook_step.accepted_rows[:B].to(torch.int64)
         acc = hook_step.num_accepted[:B].to(torch.int64)
         tree = hook_step.tree_rows[:B] & self.req_mask
@@ -388,13 +496,42 @@ class TargetTreeStep:
                 bs = view.shape[1]
                 view[t // bs, t % bs] = view[s // bs, s % bs]  # the right side is gathered first
 
+    def _after_walk_device(self, hook_step) -> None:
+        """CUDA: one ``KVCompactor`` launch per KV-cache group (every target layer), on device
+        data only; the drafter's row gather reuses the same accepted rows."""
+        import torch
+
+        B = self.B
+        rows = hook_step.accepted_rows[:B]
+        tree = hook_step.tree_rows[:B] & self.req_mask
+        acc = torch.where(tree, hook_step.num_accepted[:B], torch.zeros_like(hook_step.num_accepted[:B]))
+        self.acc_rows, self.acc_eff = rows, acc
+        self.compactions += 1
+        # counters on the device (read by counters(), outside the step): rows moved, accepted lengths
+        d = torch.arange(1, rows.shape[1], device=rows.device)
+        valid = (d[None, :] <= acc[:, None]) & (rows[:, 1:] >= 0)
+        moved = (valid & ((rows[:, 1:] - rows[:, :1]) != d[None, :])).sum()
+        if self.dev_counts is None:
+            self.dev_counts = torch.zeros(2 + rows.shape[1], dtype=torch.int64, device=rows.device)
+        self.dev_counts[0] += moved
+        self.dev_counts[2:].scatter_add_(0, acc.to(torch.int64).clamp(0, rows.shape[1] - 1), tree.to(torch.int64))
+        bt = self.runner.input_batch.block_table
+        for gid, comp in self.compactors:
+            comp(bt[gid].slot_mapping.gpu[:self.T], self.root_ext, rows, acc, num_reqs=B)
+
     # ---- 4. the drafter's inputs ---------------------------------------------------------------
     def drafter_rows(self, target_hidden_states, target_positions):
         """``propose_draft_token_ids``, before the drafter: hidden rows along the accepted path
         (in place), tree rows' positions linear again (in place); returns the positions."""
         if self.node_rows is None:
             return target_positions
-        if self.moves is not None:
+        if self.cuda:
+            if self.acc_eff is not None:
+                from ddtree_patcher.kernels import RowGatherer
+
+                RowGatherer([target_hidden_states])(self.root_ext, self.acc_rows, self.acc_eff, num_reqs=self.B)
+                self.acc_eff = self.acc_rows = None
+        elif self.moves is not None:
             src, dst = self.moves
             target_hidden_states[dst] = target_hidden_states[src]
             self.moves = None
@@ -404,6 +541,13 @@ class TargetTreeStep:
         return target_positions
 
     def counters(self) -> dict:
+        if self.dev_counts is not None:  # CUDA: fold the device counters in (a sync: not in a step)
+            c = self.dev_counts.tolist()
+            self.dev_counts = None
+            self.moved_rows += c[0]
+            for a, n in enumerate(c[2:]):
+                if n:
+                    self.accepted_depths[a] = self.accepted_depths.get(a, 0) + n
         return {"tree_steps": self.tree_steps, "tree_requests": self.tree_requests,
                 "attention_calls": self.attention_calls, "compactions": self.compactions,
                 "moved_rows": self.moved_rows,

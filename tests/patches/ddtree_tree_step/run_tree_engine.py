@@ -1,6 +1,9 @@
 """One in-process vLLM engine run (V1, CPU) on the tiny checkpoints; prints ``RESULT {json}``.
 
-env: ROOT (checkpoints: make_tiny_ckpts.py, optionally branchy_ckpts.py), SPEC=0|1 (DFlash with
+env: ROOT (checkpoints: make_tiny_ckpts.py, optionally branchy_ckpts.py), DTYPE (float32), EAGER=1|0,
+CG_MODE (with EAGER=0: compilation_config cudagraph_mode, e.g. PIECEWISE), GPU_MEM (gpu_memory_utilization),
+LOGPROBS (top-k logprobs of each generated token), SYNC_DEBUG=1 (CUDA: host syncs during generation,
+attributed to ddtree_patcher or vLLM frames), SPEC=0|1 (DFlash with
 num_speculative_tokens DEPTH, default 3), DDTREE_PATCH_ENABLE / DDTREE_PATCH_BUDGET (DDTree),
 N_PROMPTS, MAX_TOKENS; CONTROL=no-compaction (a negative control: the tree step runs but leaves
 the KV where the tree put it; the engine runs in-process, so the class is patched here). The result carries the generated tokens and, for a DDTree run, the
@@ -31,19 +34,26 @@ try:
 
         _orig = _ts.TargetTreeStep.after_walk
 
-        def _no_moves(self, hook_step):
+        def _no_moves(self, hook_step):  # CPU path: no groups; CUDA path: no compactors
             groups, self.groups = self.groups, []
+            comps, self.compactors = self.compactors, ([] if self.compactors is not None else None)
             try:
                 _orig(self, hook_step)
             finally:
-                self.groups = groups
+                self.groups, self.compactors = groups, comps
 
         _ts.TargetTreeStep.after_walk = _no_moves
         res["control"] = "no-compaction"
     step = "LLM()"
-    kw = dict(model=f"{root}/target", skip_tokenizer_init=True, dtype="float32", max_model_len=256,
-              max_num_seqs=8, enforce_eager=True, disable_log_stats=False, seed=0,
+    eager = os.environ.get("EAGER", "1") == "1"
+    kw = dict(model=f"{root}/target", skip_tokenizer_init=True, dtype=os.environ.get("DTYPE", "float32"),
+              max_model_len=256, max_num_seqs=8, enforce_eager=eager, disable_log_stats=False, seed=0,
               max_num_batched_tokens=int(os.environ.get("MAX_BATCHED_TOKENS", "512")))
+    if os.environ.get("GPU_MEM"):  # GPU runs: a small KV cache starts faster
+        kw["gpu_memory_utilization"] = float(os.environ["GPU_MEM"])
+    if not eager and os.environ.get("CG_MODE"):  # e.g. PIECEWISE (DDTree: attention outside the graphs)
+        kw["compilation_config"] = {"cudagraph_mode": os.environ["CG_MODE"]}
+    res["eager"], res["cg_mode"], res["dtype"] = eager, os.environ.get("CG_MODE"), kw["dtype"]
     if spec:
         kw["speculative_config"] = {"method": "dflash", "model": f"{root}/dflash",
                                     "num_speculative_tokens": int(os.environ.get("DEPTH", "3"))}
@@ -55,11 +65,46 @@ try:
     max_tokens = int(os.environ.get("MAX_TOKENS", "32"))
     prompts = [TokensPrompt(prompt_token_ids=[(7 * j + 3 * i) % 997 + 2 for j in range(8 + 5 * i)])
                for i in range(n_prompts)]
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False, ignore_eos=True)
+    lp = int(os.environ.get("LOGPROBS", "0"))  # >0: the top-`lp` logprobs of every generated token
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False, ignore_eos=True,
+                        logprobs=lp or None)
+    sync = os.environ.get("SYNC_DEBUG") == "1"
+    if sync:  # CUDA: count host-synchronising calls during generation, by the innermost of our / vLLM's frames
+        import traceback
+        import warnings
+
+        import torch
+
+        SYNC = res["sync"] = {"ours": 0, "vllm": 0, "other": 0, "samples_ours": []}
+
+        def _show(message, category, filename, lineno, file=None, line=None):
+            if "synchroniz" not in str(message):
+                return
+            who = "other"
+            for fr in reversed(traceback.extract_stack()[:-1]):
+                if "/ddtree_patcher/" in fr.filename:
+                    who = "ours"
+                    where = f"{fr.filename.rsplit('/', 2)[-1]}:{fr.lineno} {fr.name}"
+                    if len(SYNC["samples_ours"]) < 8 and where not in SYNC["samples_ours"]:
+                        SYNC["samples_ours"].append(where)
+                    break
+                if "/vllm/" in fr.filename:
+                    who = "vllm"
+                    break
+            SYNC[who] += 1
+
+        warnings.showwarning = _show
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
     t2 = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False)
     res["generate_s"] = round(time.perf_counter() - t2, 2)
+    if sync:
+        torch.cuda.set_sync_debug_mode(0)
     res["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
+    if lp:  # per request, per position: [[token, logprob], ...] best first
+        res["logprobs"] = [[sorted(([int(t), float(x.logprob)] for t, x in d.items()), key=lambda e: -e[1])[:lp]
+                            for d in o.outputs[0].logprobs] for o in outs]
     step = "counters"
     try:
         from ddtree_patcher.runtime import hook, tree_step
