@@ -15,9 +15,12 @@ right for that tree:
    depth(j)``; KV slots stay one per node (node j at linear position ``ctx + j``).
 2. **Ancestor-only attention** (:meth:`TargetTreeStep.attention`, in the covered attention
    backend's forward right after its own call): the rows of tree requests are recomputed with
-   the explicit ``[q_len, ctx + q_len]`` mask (whole context + ancestors + itself) on the
-   backend's paged KV views (the reference math of ``ddtree_patcher.kernels``: CPU_ATTN, whose
-   op takes no mask). Rows of other requests keep the backend's own causal result.
+   the ancestor mask (whole context + ancestors + itself). CPU_ATTN (its op takes no mask): the
+   explicit ``[q_len, ctx + q_len]`` mask on the backend's measured paged KV views (the reference
+   math of ``ddtree_patcher.kernels``). FlashAttention 3 (CUDA): the forward's own
+   ``flash_attn_varlen_func`` over the context only (``causal=False``, ``seqused_k = ctx``,
+   ``return_softmax_lse``), then ``tree_attention_merge`` (Triton) adds the tree keys to that
+   softmax state. Rows of other requests keep the backend's own causal result.
 3. **KV compaction** (:meth:`TargetTreeStep.after_walk`, called by ``TreeStep.keep`` right after
    the tree walk, before the drafter and before the next step): for every target layer of every
    KV-cache group, the KV of the node accepted at depth d (slot of ``ctx + j_d``) moves to the
@@ -29,9 +32,12 @@ right for that tree:
 
 Start-up (:func:`bind`, the runner's first ``_prepare_inputs`` with ``DDTREE_PATCH_ENABLE`` set)
 refuses by name (``DDTreeNotReady``) what the tree step does not cover: another runner than V1,
-an attention backend other than CPU_ATTN (with this patch's forward site), sliding window,
-softcap, ALiBi, sinks, a quantized KV cache, non-attention (Mamba/GDN) KV-cache groups, M-RoPE /
-XD-RoPE, encoder-decoder.
+an attention backend other than CPU_ATTN / FlashAttention 3 (with this patch's forward site),
+FULL CUDA graphs (they would replay a chain step's attention: PIECEWISE or eager is needed),
+decode context parallelism, sliding window, softcap, ALiBi, sinks, a quantized KV cache,
+non-attention (Mamba/GDN) KV-cache groups, M-RoPE / XD-RoPE, encoder-decoder. Cascade attention
+is switched off (logged). On CUDA every per-step operation is a device operation (no host
+synchronisation; measured on the H200).
 """
 
 from __future__ import annotations
@@ -110,7 +116,7 @@ def not_installed_reason() -> str | None:
         except OSError:
             continue
     return (f"no attention backend of this vLLM carries the ddtree-tree-step site ({', '.join(ATTN_FILES)}: "
-            "CPU_ATTN on the 0.28.0 shape, FlashAttention 3 on the 0.26.0/0.27.0 shape)")
+            "CPU_ATTN on the 0.25.0-0.28.0 shapes, FlashAttention 3 on the 0.26.0/0.27.0 shape)")
 
 
 def refuse_v2(*, tree_step_abi: int) -> None:
