@@ -13,7 +13,11 @@ then logs one line:
 
 With ``DDTREE_PATCH_ENABLE=1`` it also checks the ddtree-proposer patch (the DFlash drafter's
 tree call sites) the same way and validates ``DDTREE_PATCH_BUDGET`` (a bad value, or both
-switches at once, raises ``DDTreeConfigError`` whatever ``DDTREE_PATCH_ON_DRIFT`` says).
+switches at once, raises ``DDTreeConfigError`` whatever ``DDTREE_PATCH_ON_DRIFT`` says), and,
+where ddtree-tree-step is applied, its files (runner, attention backends): a drifted tree step
+raises whatever ``DDTREE_PATCH_ON_DRIFT`` says (trees scored by a chain-shaped target pass would
+change the output; a tree step that is not applied at all is refused by name when the
+speculative config is built).
 
 When DDTree is requested (``DDTREE_PATCH_ENABLE`` / ``DDTREE_PATCH_CHAIN_AS_TREE``) and the hook
 is not intact it raises (vLLM's loader swallows exceptions raised while *importing* a plugin,
@@ -35,9 +39,11 @@ from pathlib import Path
 
 PATCH_ID = "tree-walk-hook"
 PROPOSER_ID = "ddtree-proposer"
+TREE_STEP_ID = "ddtree-tree-step"
 ENV_ON_DRIFT = "DDTREE_PATCH_ON_DRIFT"
 _ABI_RE = re.compile(rb'bind\(self, "V[12]", hook_abi=(\d+)\)')
 _DDTREE_ABI_RE = re.compile(rb'ddtree_abi=(\d+)\)')
+_TREE_STEP_ABI_RE = re.compile(rb'tree_step_abi=(\d+)\)')
 
 logger = logging.getLogger("vllm.ddtree_patch")  # under vLLM's own handler
 
@@ -92,6 +98,10 @@ def _runtime_abi(patch_id: str) -> tuple[int, "re.Pattern[bytes]"]:
         from ddtree_patcher.runtime.ddtree import DDTREE_ABI
 
         return DDTREE_ABI, _DDTREE_ABI_RE
+    if patch_id == TREE_STEP_ID:
+        from ddtree_patcher.runtime.tree_step import TREE_STEP_ABI
+
+        return TREE_STEP_ABI, _TREE_STEP_ABI_RE
     from ddtree_patcher.runtime.hook import HOOK_ABI
 
     return HOOK_ABI, _ABI_RE
@@ -171,3 +181,10 @@ def register() -> None:
                 return
             logger.error(line)
             raise HookNotIntact(line + f" (DDTree is requested; set {ENV_ON_DRIFT}=warn to continue without it)")
+        # the tree-shaped target step: where it is applied its files must be intact (where it is not,
+        # DDTree refuses to start by name when the speculative config is built)
+        ok, why = check(site, TREE_STEP_ID)
+        if not ok and "is not applied" not in why:
+            line = f"ddtree-patch: DDTree tree step NOT intact: {why}, runner={runner}, vLLM {ver}"
+            logger.error(line)  # never downgraded: trees scored as chains would change the output
+            raise HookNotIntact(line)

@@ -304,6 +304,18 @@ def test_boot_guard_names_mode_and_budget(make_site, cli, monkeypatch, caplog):
     from ddtree_patcher.runtime import guard
 
     assert guard.check(site, P.ID) == (True, "intact") and guard.check(site) == (True, "intact")
+    # the tree step (applied on 0.26.0: runner + FlashAttention sites): drift is refused even with warn
+    assert guard.check(site, guard.TREE_STEP_ID) == (True, "intact")
+    fa = site / "vllm/v1/attention/backends/flash_attn.py"
+    fa_good = fa.read_bytes()
+    fa.write_bytes(fa_good.replace(b"_ddtree_ts.attention(", b"_ddtree_ts.attention_(", 1))
+    for extra in ({}, {"DDTREE_PATCH_ON_DRIFT": "warn"}):
+        log, raised = _guard(site, monkeypatch, caplog, DDTREE_PATCH_ENABLE="1", **extra)
+        assert raised.startswith("RAISED HookNotIntact ddtree-patch: DDTree tree step NOT intact: "
+                                 "vllm/v1/attention/backends/flash_attn.py is changed since apply"), raised
+    fa.write_bytes(fa_good)
+    log, raised = _guard(site, monkeypatch, caplog, DDTREE_PATCH_ENABLE="1")
+    assert not raised, raised
 
 
 # ---- unit probes (subprocesses: real vLLM, Triton interpreter) ----------------------------------------
