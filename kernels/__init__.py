@@ -54,6 +54,7 @@ __all__ = ["tree_verify", "tree_verify_ref", "build_tree", "build_tree_ref", "Dr
 
 # ---- tree-shaped target step (issue 13) ----
 from .tree_step_reference import (  # noqa: E402
+    ancestor_rows_ref,
     causal_attention_ref,
     compact_kv_ref,
     context_attention_ref,
@@ -70,7 +71,7 @@ if TRITON_AVAILABLE:
         kv_views,
         packed_kv_view,
     )
-    from .tree_attention import tree_attention, tree_attention_merge  # noqa: E402,F401
+    from .tree_attention import ancestor_rows, tree_attention, tree_attention_merge  # noqa: E402,F401
 else:  # pragma: no cover - exercised only without triton
     def _no_triton(name):
         def fn(*args, **kwargs):
@@ -80,6 +81,7 @@ else:  # pragma: no cover - exercised only without triton
         return fn
 
     tree_attention = _no_triton("tree_attention")
+    ancestor_rows = _no_triton("ancestor_rows")
     tree_attention_merge = _no_triton("tree_attention_merge")
     compact_kv = _no_triton("compact_kv")
     gather_accepted_rows = _no_triton("gather_accepted_rows")
@@ -88,6 +90,6 @@ else:  # pragma: no cover - exercised only without triton
     kv_views = _no_triton("kv_views")
     packed_kv_view = _no_triton("packed_kv_view")
 
-__all__ += ["tree_attention", "tree_attention_merge", "tree_attention_ref", "context_attention_ref",
+__all__ += ["ancestor_rows", "ancestor_rows_ref", "tree_attention", "tree_attention_merge", "tree_attention_ref", "context_attention_ref",
             "causal_attention_ref", "KVCompactor", "compact_kv", "compact_kv_ref", "RowGatherer",
             "gather_accepted_rows", "gather_accepted_rows_ref", "kv_views", "packed_kv_view"]

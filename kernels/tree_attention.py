@@ -162,6 +162,62 @@ def _tree_attention_kernel(
         tl.store(lse_ptr + qh * s_lh + tok * s_lt, lse, mask=row_ok)
 
 
+@triton.jit(do_not_specialize=["W", "s_pb", "s_mb", "s_mr", "s_db"])
+def _ancestor_rows_kernel(par_ptr, mask_ptr, depth_ptr, W, s_pb, s_mb, s_mr, s_db,
+                          NW: tl.constexpr, NWP: tl.constexpr, BLOCK_W: tl.constexpr):
+    """One program per request: every node walks up its parent links (-1 ends a walk) and sets
+    one bit per visited node; depth = links followed. W hops at most (cycle-safe)."""
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, BLOCK_W)
+    ok = j < W
+    row = par_ptr + b * s_pb
+    cur = tl.where(ok, j, -1)
+    wi = tl.arange(0, NWP)
+    words = tl.zeros([BLOCK_W, NWP], tl.int32)
+    depth = tl.full([BLOCK_W], -1, tl.int32)
+    hops = 0
+    while (tl.max(cur, 0) >= 0) & (hops <= W):
+        live = cur >= 0
+        c = tl.where(live, cur, 0)
+        bit = (tl.full([BLOCK_W], 1, tl.int32) << (c % 32).to(tl.int32))
+        hit = live[:, None] & ((c // 32)[:, None] == wi[None, :])
+        words = words | tl.where(hit, bit[:, None], 0)
+        depth = depth + live.to(tl.int32)
+        cur = tl.where(live, tl.load(row + c, mask=live & (c < W), other=-1).to(tl.int32), -1)
+        hops += 1
+    tl.store(mask_ptr + b * s_mb + j[:, None] * s_mr + wi[None, :], words,
+             mask=ok[:, None] & (wi[None, :] < NW))
+    tl.store(depth_ptr + b * s_db + j, depth, mask=ok)
+
+
+def ancestor_rows(parents: torch.Tensor, *, out: Optional[torch.Tensor] = None,
+                  depths: Optional[torch.Tensor] = None):
+    """Ancestor-or-self bit rows of a batch of trees in one launch: ``parents`` int32/int64
+    ``[B, W]`` (node j's local parent, ``-1`` for none: the root, padding, rows of requests
+    without a tree). Returns ``(mask int32 [B, W, ceil(W/32)], depths int32 [B, W])`` — the
+    layout of ``DraftTree.ancestor_mask`` that ``tree_attention`` reads. Device work only."""
+    if not isinstance(parents, torch.Tensor) or parents.ndim != 2 or \
+            parents.dtype not in (torch.int32, torch.int64):
+        raise _err("parents", f"must be an int32/int64 [B, W] tensor, got {getattr(parents, 'shape', parents)}")
+    B, W = parents.shape
+    NW = (W + 31) // 32
+    if out is None:
+        out = torch.empty(B, W, NW, dtype=torch.int32, device=parents.device)
+    if depths is None:
+        depths = torch.empty(B, W, dtype=torch.int32, device=parents.device)
+    if tuple(out.shape) != (B, W, NW) or out.dtype != torch.int32 or out.stride(2) != 1:
+        raise _err("out", f"must be int32 [{B}, {W}, {NW}] with unit inner stride")
+    if tuple(depths.shape) != (B, W) or depths.dtype != torch.int32 or depths.stride(1) != 1:
+        raise _err("depths", f"must be int32 [{B}, {W}] with unit inner stride")
+    if parents.stride(1) != 1:
+        raise _err("parents", "must be contiguous in its last dimension")
+    if B and W:
+        _ancestor_rows_kernel[(B,)](parents, out, depths, W, parents.stride(0), out.stride(0), out.stride(1),
+                                    depths.stride(0), NW=NW, NWP=max(1, triton.next_power_of_2(NW)),
+                                    BLOCK_W=max(2, triton.next_power_of_2(W)), num_warps=4)
+    return out, depths
+
+
 class TreeAttentionError(ValueError):
     """A tree-attention argument is malformed (metadata checks only; never reads device data)."""
 

@@ -199,3 +199,25 @@ def gather_accepted_rows_ref(tensors: Sequence[torch.Tensor], query_start_loc, a
             if n > 0:
                 positions[qsl[r]:qsl[r] + n] = positions[qsl[r]] + torch.arange(n, dtype=positions.dtype,
                                                                           device=positions.device)
+
+
+def ancestor_rows_ref(parents: torch.Tensor):
+    """Reference of ``ancestor_rows``: ``parents`` int ``[B, W]`` (node j's local parent, ``-1``
+    for none: the root, padding and rows without a tree). Returns the int32 bit rows
+    ``[B, W, ceil(W/32)]`` of ancestors-or-self (``DraftTree.ancestor_mask``'s layout) and the
+    int32 depths ``[B, W]`` (number of ancestors). Plain loops over the host copy."""
+    B, W = parents.shape
+    par = parents.detach().cpu().tolist()
+    dense = torch.zeros(B, W, W, dtype=torch.bool)
+    depth = torch.zeros(B, W, dtype=torch.int32)
+    for b in range(B):
+        for j in range(W):
+            cur, hops = j, 0
+            while cur >= 0:
+                dense[b, j, cur] = True
+                cur = par[b][cur]
+                hops += 1
+                if hops > W:
+                    raise ValueError(f"ancestor_rows_ref: row {b} node {j}: parent links form a cycle")
+            depth[b, j] = hops - 1
+    return pack_mask(dense, W).to(parents.device), depth.to(parents.device)

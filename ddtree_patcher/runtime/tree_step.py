@@ -204,6 +204,7 @@ class TargetTreeStep:
     def _init_state(self) -> None:
         self.impl_views = {}  # id(attention impl) -> its layer's measured (K, V) views (CPU_ATTN)
         self.fa_varlen = None  # FlashAttention's flash_attn_varlen_func (the forward's own), FA3 path
+        self.fa_step = None  # (context lengths, scratch output): made by the step's first FA3 layer
         self.backend = None  # "CPU_ATTN" | "FLASH_ATTN (FA3)"
         self.num_layers = 0
         self.root_ext = None  # int64 [B + 1]: each request's root row (then T): the compaction's row base
@@ -334,46 +335,57 @@ class TargetTreeStep:
         B = int(num_reqs)
         req_ids = runner.input_batch.req_ids[:B]
         spec = scheduler_output.scheduled_spec_decode_tokens
-        trees = []  # (r, n, parents tensor [n])
-        for r, rid in enumerate(req_ids):
-            n = len(spec.get(rid, ()))
-            if n == 0:
-                continue
-            par = self.hook.pending_tree(rid, n)
-            if par is not None:
-                trees.append((r, n, par))
-        if trees:
-            self.set_plan(B, int(total_tokens), num_scheduled_tokens, trees, runner.positions)
+        nd = [len(spec.get(rid, ())) for rid in req_ids]
+        if not any(n and self.hook.pending_tree(rid, n) is not None for rid, n in zip(req_ids, nd)):
+            return
+        W = max(nd) + 1
+        parents, has = self.hook.pending_parents(req_ids, nd, W)  # one gather, [B, W], -1 = no link
+        self.set_plan_parents(B, int(total_tokens), num_scheduled_tokens,
+                              [n if h else 0 for n, h in zip(nd, has)], parents, runner.positions)
 
     def set_plan(self, B: int, T: int, num_scheduled_tokens, trees, positions=None) -> None:
         """This step's tree metadata from ``trees`` [(batch row, n nodes, local parents [n])]
         (rows in batch order, ``num_scheduled_tokens`` per row); ``positions`` (the runner's
         buffer, linear) get ``ctx + depth`` at the tree rows, in place."""
+        import torch
+
+        nd = [0] * B
+        for r, n, _ in trees:
+            nd[r] = n
+        W = max(nd) + 1
+        par = torch.full((B, W), -1, dtype=torch.int64, device=self.device)
+        for r, n, p in trees:
+            par[r, 1:n + 1] = p[:n].to(torch.int64)
+        self.set_plan_parents(B, T, num_scheduled_tokens, nd, par, positions)
+
+    def set_plan_parents(self, B: int, T: int, num_scheduled_tokens, num_nodes, parents, positions=None) -> None:
+        """The step's tree metadata: ``num_nodes`` (host, per batch row; 0 = no tree) and
+        ``parents`` int64 ``[B, W]`` on the device (local parent of node j, -1 for the root and
+        rows without a tree). Ancestor bit rows and depths in one launch on CUDA
+        (``kernels.ancestor_rows``); ``positions`` get ``ctx + depth`` at the tree rows, in place."""
         import numpy as np
         import torch
 
-        dev = self.device
         nsched = np.asarray(num_scheduled_tokens[:B], dtype=np.int64)
         qe = np.cumsum(nsched)
-        nd = np.zeros(B, dtype=np.int64)
-        for r, n, _ in trees:
-            nd[r] = n
+        nd = np.asarray(num_nodes, dtype=np.int64)
         root_np = qe - 1 - nd  # the root's query row (a verify request: its first row)
-        W = int(nd.max()) + 1
-        # local parents [B, W]: the tree's for tree requests, self-loops elsewhere (depth 0)
-        par = torch.arange(W, dtype=torch.int64, device=dev).repeat(B, 1)
-        for r, n, p in trees:
-            par[r, 1:n + 1] = p[:n].to(torch.int64)
-        par[:, 0] = 0
-        # ancestors-or-self [B, W, W] by walking up W times (sync-free, static shape)
-        anc = torch.zeros(B, W, W, dtype=torch.bool, device=dev)
-        cur = torch.arange(W, dtype=torch.int64, device=dev).repeat(B, 1)
-        for _ in range(W):
-            anc.scatter_(2, cur.unsqueeze(-1), True)
-            cur = par.gather(1, cur)
-        depth = anc.sum(-1) - 1  # [B, W]
-        tree_req = np.zeros(B, dtype=bool)
-        tree_req[[r for r, _, _ in trees]] = True
+        W = int(parents.shape[1])
+        if self.cuda:
+            from ddtree_patcher.kernels import ancestor_rows
+
+            self.ancestor_mask, depth = ancestor_rows(parents)
+        else:  # CPU: the same rows by walking up W times (torch ops; no Triton interpreter here)
+            dev = self.device
+            par = torch.where(parents >= 0, parents, torch.arange(W, device=dev).expand(B, W))
+            anc = torch.zeros(B, W, W, dtype=torch.bool, device=dev)
+            cur = torch.arange(W, dtype=torch.int64, device=dev).repeat(B, 1)
+            for _ in range(W):
+                anc.scatter_(2, cur.unsqueeze(-1), True)
+                cur = par.gather(1, cur)
+            depth = anc.sum(-1) - 1  # [B, W]
+            self.ancestor_mask = pack_rows(anc)
+        tree_req = nd > 0
         node_r = np.repeat(np.arange(B), nd)  # per node: its request
         node_j = np.concatenate([np.arange(1, n + 1) for n in nd if n]) if nd.any() else np.zeros(0, np.int64)
         node_rows_np = root_np[node_r] + node_j
@@ -389,12 +401,12 @@ class TargetTreeStep:
         if positions is not None:
             positions.index_copy_(0, self.node_rows,
                                   positions[self.node_root] + depth.reshape(-1)[flat].to(positions.dtype))
-        self.ancestor_mask = pack_rows(anc)
         self.depth = depth
+        self.fa_step = None
         self.B, self.T, self.W = B, int(T), W
         self.active = True
         self.tree_steps += 1
-        self.tree_requests += len(trees)
+        self.tree_requests += int(tree_req.sum())
 
     def upload(self, array):
         """A host numpy array on the device (pinned, non-blocking on CUDA: no sync)."""
@@ -449,10 +461,13 @@ class TargetTreeStep:
         T = int(md.num_actual_tokens)
         H, D = impl.num_heads, impl.head_size
         qsl = md.query_start_loc
-        ctx = md.seq_lens[:B] - (qsl[1:B + 1] - qsl[:B])
-        ctx = torch.where(self.req_mask, ctx, torch.zeros_like(ctx))  # other requests: no context pass
         q = query[:T].view(T, H, D)
-        scratch = torch.empty_like(q)
+        if self.fa_step is None or self.fa_step[1].shape != q.shape or self.fa_step[1].dtype != q.dtype:
+            # once per step (every layer has the same metadata): context lengths, scratch output
+            ctx = md.seq_lens[:B] - (qsl[1:B + 1] - qsl[:B])
+            ctx = torch.where(self.req_mask, ctx, torch.zeros_like(ctx))  # other requests: no context pass
+            self.fa_step = (ctx, torch.empty_like(q))
+        ctx, scratch = self.fa_step
         _, lse = self.fa_varlen(
             q=q, k=key_cache, v=value_cache, out=scratch, cu_seqlens_q=qsl[:B + 1],
             max_seqlen_q=md.max_query_len, seqused_k=ctx, max_seqlen_k=md.max_seq_len,

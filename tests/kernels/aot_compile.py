@@ -189,6 +189,11 @@ def tree_step_variants():
     yield "move_rows hidden+positions", KC._move_rows_kernel, MOVE_PTRS, dict(
         slot_ptr=None, X=4096, NE=4096, ELT=tl.int16, BLOCK_W=64, CHUNK=1024, HAS_SLOTS=False,
         HAS_POS=True), 0
+    for pt, W in (("*i64", 17), ("*i64", 65), ("*i32", 257)):
+        nw = (W + 31) // 32
+        yield f"ancestor_rows {pt[1:]} W={W}", TA._ancestor_rows_kernel, dict(
+            par_ptr=pt, mask_ptr="*i32", depth_ptr="*i32", W="i32", s_pb="i32", s_mb="i32", s_mr="i32",
+            s_db="i32"), dict(NW=nw, NWP=max(1, 1 << (nw - 1).bit_length()), BLOCK_W=1 << (W - 1).bit_length()), 0
 
 
 def _compile_all(archs, gen):

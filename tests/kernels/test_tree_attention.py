@@ -142,3 +142,42 @@ def test_named_errors():
         tree_attention(*_args(c)[:6], c.ancestor_mask.long(), c.scale)
     with pytest.raises(TreeAttentionError, match="ctx_lse"):
         tree_attention_merge(*_args(c), c.q, torch.zeros(4, 1))
+
+
+# ---- ancestor_rows: the tree step's bit rows from parent links, one launch ------------------------
+@pytest.mark.parametrize("W", [1, 2, 17, 33, 65])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_ancestor_rows_equal_the_reference_and_the_builders_rows(W, dtype):
+    """Random trees (parents before children), padding and rows without a tree (-1 links) ==
+    ``ancestor_rows_ref``; the rows of a built DraftTree equal its own ``ancestor_mask``."""
+    import random
+
+    from ddtree_patcher.kernels import ancestor_rows, ancestor_rows_ref, build_tree_ref
+
+    rng = random.Random(W)
+    par = torch.full((4, W), -1, dtype=dtype)
+    for b in range(3):
+        for j in range(1, rng.randint(0, W - 1) + 1):
+            par[b, j] = rng.randint(0, j - 1)
+    m, d = ancestor_rows(par)
+    mr, dr = ancestor_rows_ref(par)
+    assert torch.equal(m, mr) and torch.equal(d, dr)
+    assert torch.equal(d[3], torch.zeros(W, dtype=torch.int32))  # no tree: every node its own root
+    if W > 1:  # a DraftTree's ancestor_mask is the same function of its parents
+        logits = torch.randn(2, 3, 50, generator=torch.Generator().manual_seed(W))
+        tree = build_tree_ref(logits, W - 1, 4)
+        p = torch.cat([torch.full((2, 1), -1, dtype=torch.int64), tree.parents.to(torch.int64)], 1)
+        p[:, 1:][tree.tokens < 0] = -1  # padding nodes: roots of their own
+        m2, _ = ancestor_rows(p)
+        pad = (tree.tokens < 0)
+        ref = tree.ancestor_mask.clone()
+        assert torch.equal(m2[:, 1:][~pad], ref[:, 1:][~pad]) and torch.equal(m2[:, 0], ref[:, 0])
+
+
+def test_ancestor_rows_named_errors():
+    from ddtree_patcher.kernels import ancestor_rows
+
+    with pytest.raises(TreeAttentionError, match="parents"):
+        ancestor_rows(torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(TreeAttentionError, match="out"):
+        ancestor_rows(torch.zeros(2, 5, dtype=torch.int32), out=torch.zeros(2, 5, 2, dtype=torch.int32))
