@@ -135,6 +135,18 @@ def bind(runner, *, tree_step_abi: int) -> "TargetTreeStep":
     return step
 
 
+def refuse_uncovered_config(vllm_config) -> None:
+    """Engine-level options the tree step does not cover, refused by name when the DDTree drafter
+    binds (engine start, before any graph capture): FULL CUDA graphs; a KV connector (offloading
+    or transfer: it may save or load a block's KV before the walk's compaction moved it)."""
+    refuse_full_cuda_graphs(getattr(vllm_config, "compilation_config", None))
+    kvt = getattr(vllm_config, "kv_transfer_config", None)
+    if kvt is not None:
+        name = getattr(kvt, "kv_connector", None) or repr(kvt)
+        raise _not_ready(f"KV connector {name} (kv_transfer_config): "
+                         "it may save or load KV blocks that the KV compaction after the walk rewrites")
+
+
 def refuse_full_cuda_graphs(compilation_config) -> None:
     """FULL CUDA graphs would replay the chain step's attention (captured without a tree): DDTree
     needs attention outside the graphs (PIECEWISE, or eager). Called when the DDTree drafter binds

@@ -454,7 +454,7 @@ def cpu_checks():
         off, _ = make_v1(3, None, params(1, 0))
         assert off.ddtree_proposer is None and off.num_speculative_tokens == 3
 
-    @check("v1_full_cuda_graphs_are_refused_at_bind")
+    @check("v1_full_cuda_graphs_and_kv_connectors_are_refused_at_bind")
     def _():
         import copy
 
@@ -475,6 +475,13 @@ def cpu_checks():
         cfg.compilation_config.cudagraph_mode = CUDAGraphMode.NONE
         with set_current_vllm_config(cfg):
             assert DFlashProposer(cfg, torch.device("cpu"), runner).ddtree_proposer.budget == 8
+        # a KV connector (offloading / transfer) is refused the same way
+        from vllm.config import KVTransferConfig
+
+        cfg.kv_transfer_config = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both")
+        with set_current_vllm_config(cfg):
+            msg = expect_error(ddtree.DDTreeNotReady, "KV connector OffloadingConnector",
+                               lambda: DFlashProposer(cfg, torch.device("cpu"), runner))
 
     @check("worker_env_must_agree_with_the_config")
     def _():
