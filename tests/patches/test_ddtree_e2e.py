@@ -109,9 +109,9 @@ def test_mixed_batches_greedy_equals_no_speculation(e2e, kv, kernels):
         assert m["vllm:num_preemptions"] > 0, m
     (hk,), (ts,), (drafter,) = dd["hook"], dd["tree_step"], dd["drafter"]
     assert hk["engaged_steps"] == ts["tree_steps"] == ts["compactions"] > 0, (hk, ts)
-    # chain-routed requests (penalties, logprobs) verified by vLLM's sampler in the same steps; in
-    # DDTree mode the walk counts every request that carries no tree as "no-tree", whatever why
-    assert hk["chain_steps"] > 0 and hk["fallbacks"].get("no-tree", 0) > 0 and drafter["chain_rows"] > 0, (hk, drafter)
+    # chain-routed requests verified by vLLM's sampler in the same steps, counted under their reasons
+    assert hk["chain_steps"] > 0 and drafter["chain_rows"] > 0, (hk, drafter)
+    assert {"penalties", "logprobs"} <= set(hk["fallbacks"]), hk["fallbacks"]
     assert ts["moved_rows"] > 0, ts  # non-first children accepted: KV rows moved
     out = dict(kv=kv, kernels=kernels, identical=f"{sum(same)}/{len(same)}",
                preemptions={"nospec": mn["vllm:num_preemptions"], "ddtree": m["vllm:num_preemptions"]},
