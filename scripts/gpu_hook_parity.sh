@@ -92,21 +92,16 @@ print("PARITY", "FAIL " + ",".join(bad) if bad else "ok", f"({len(rows)} runs)")
 PY
 }
 
+. "$REPO/scripts/_gpu_bundle.sh"
+
 case "${1:-}" in
 stage1)
-  mkdir -p /tmp/vb && cp "$REPO"/.bundle/01/* /tmp/vb/ && ls -la /tmp/vb | tail -3
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/tools "$REPO"/.whl/*.whl \
-    && python3 -c "import sys; sys.path.insert(0, '/tmp/tools'); import libcst; print('libcst', libcst.__file__)"
-  nvidia-smi -L
+  bundle_stage1
   exit 0 ;;
 stage2)
   ph install
-  if [ ! -f /tmp/site/.bundle-sha256 ]; then
-    cp "$REPO"/.bundle/02/* /tmp/vb/ || exit 3
-    eval "$(bash /tmp/vb/device_install.sh | tee "$O/install.log" | grep '^export ')" || exit 4
-  fi
-  export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=/tmp/site:/tmp/tools:$REPO PYTHONUNBUFFERED=1 \
-    VLLM_ENABLE_V1_MULTIPROCESSING=0 ROOT=/tmp/tiny
+  bundle_install
+  export ROOT=/tmp/tiny
   ph apply
   python3 -m ddtree_patcher.cli apply --vllm-path /tmp/site --patch tree-walk-hook > "$O/apply.log" 2>&1 \
     || { cat "$O/apply.log"; exit 5; }

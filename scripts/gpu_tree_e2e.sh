@@ -27,22 +27,18 @@ ENGINES=("nospec        SPEC=0 EAGER=1 LOGPROBS=2"
          "dd-pw         SPEC=1 EAGER=0 CG_MODE=PIECEWISE DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1"
          "ctl-nocompact SPEC=1 EAGER=1 DDTREE_PATCH_ENABLE=1 CONTROL=no-compaction")
 
+. "$REPO/scripts/_gpu_bundle.sh"
+
 case "${1:-}" in
 stage1)
-  mkdir -p /tmp/vb && cp "$REPO"/.bundle/01/* /tmp/vb/ && ls -la /tmp/vb | tail -2
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/tools "$REPO"/.whl/*.whl \
-    && python3 -c "import sys; sys.path.insert(0, '/tmp/tools'); import libcst; print('libcst', libcst.__file__)"
-  nvidia-smi -L
+  bundle_stage1
   exit 0 ;;
 stage2)
   ph install
-  if [ ! -f /tmp/site/.bundle-sha256 ]; then
-    cp "$REPO"/.bundle/02/* /tmp/vb/ || exit 3
-    eval "$(bash /tmp/vb/device_install.sh | tee "$O/install.log" | grep '^export ')" || exit 4
-  fi
-  export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=/tmp/site:/tmp/tools:$REPO PYTHONUNBUFFERED=1 \
-    VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_V2_MODEL_RUNNER=0 DTYPE=${DTYPE:-float16}; export ROOT=/tmp/tiny-branchy-$DTYPE; export \
-    GPU_MEM=0.2 DEPTH=3 DDTREE_PATCH_BUDGET=8 N_PROMPTS=${N_PROMPTS:-6} MAX_TOKENS=${MAX_TOKENS:-48}
+  bundle_install
+  export VLLM_USE_V2_MODEL_RUNNER=0 DTYPE=${DTYPE:-float16} GPU_MEM=0.2 DEPTH=3 DDTREE_PATCH_BUDGET=8 \
+    N_PROMPTS=${N_PROMPTS:-6} MAX_TOKENS=${MAX_TOKENS:-48}
+  export ROOT=/tmp/tiny-branchy-$DTYPE
   ph apply
   if ! grep -q "ddtree-patch: ddtree-tree-step" /tmp/site/vllm/v1/attention/backends/flash_attn.py 2>/dev/null; then
     python3 -m ddtree_patcher.cli apply --vllm-path /tmp/site > "$O/apply.log" 2>&1 || { cat "$O/apply.log"; exit 5; }

