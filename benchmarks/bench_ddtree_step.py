@@ -17,7 +17,8 @@ step           ``execute_model`` entry to the next one (wall clock in the plain 
                events in the timed pass)
 forward        ``GPUModelRunner._model_forward`` (the target forward; DDTree's tree attention
                runs inside it)
-attn           ``FlashAttentionImpl.forward`` summed over the layers (inside ``forward``)
+attn           ``FlashAttentionImpl.forward`` summed over the target's layers (inside
+               ``forward``; the drafter's layers count as ``draft_attn``)
 dd_attn        ``TargetTreeStep.attention`` summed over the layers (the FA3 context pass +
                the tree merge; inside ``attn``)
 prepare        ``GPUModelRunner._prepare_inputs``;  ``dd_prepare``: ``TargetTreeStep.prepare``
@@ -96,6 +97,7 @@ class Timer:
         self.torch, self.cuda = torch, cuda
         self.timed = False  # events on (the timed pass)
         self.steps = []  # per execute_model call: {"wall": t, "tokens": T, "reqs": B, "spans": [(name, a, b)]}
+        self.open = []  # names of the spans being timed (attention inside "forward" is the target's)
         self.pool = [torch.cuda.Event(enable_timing=True) for _ in range(40000)] if cuda else []
 
     def mark(self):
@@ -120,11 +122,14 @@ class Timer:
                                     "reqs": len(nst), "spans": []})
             if not timer.timed or not timer.steps or (timer.cuda and timer.torch.cuda.is_current_stream_capturing()):
                 return orig(*args, **kwargs)
+            tag = name if name != "attn" or "forward" in timer.open else "draft_attn"
+            timer.open.append(tag)
             a = timer.mark()
             try:
                 return orig(*args, **kwargs)
             finally:
-                timer.steps[-1]["spans"].append((name, a, timer.mark()))
+                timer.steps[-1]["spans"].append((tag, a, timer.mark()))
+                timer.open.pop()
 
         wrapped.__wrapped__ = orig
         setattr(cls, meth, wrapped)
