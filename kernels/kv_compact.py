@@ -81,26 +81,16 @@ def _move_rows_kernel(
     # tile in flight: no register spills whatever W is. (Measured on the H200, B = 32, 36 layers:
     # 11.8 / 17.9 us at n = 16 / 64; all sources first in [W, CHUNK] tiles spilled: 2.1 / 7.4 ms;
     # batches of 8 depths with a barrier: 26.6 / 69.6 us.)
-    # Software pipelined: depth dd + 1's source is loaded before depth dd's store (safe: it is the
-    # slot of node j_{dd+1} >= dd + 1, which depth dd does not write; reads only move earlier).
     last = tl.minimum(a, tl.minimum(W, BLOCK_W) - 1)
-    t1 = (d == 1) & ok
-    s1 = tl.sum(tl.where(t1, src, 0), 0)
-    m1 = tl.sum(t1.to(tl.int32), 0) > 0
-    vals = tl.load(base + (s1 // block_size) * s_blk + (s1 % block_size) * s_off + e_off,
-                   mask=e_ok & m1, other=0)
     for dd in range(1, last + 1):
         take = (d == dd) & ok
+        s_i = tl.sum(tl.where(take, src, 0), 0)
         t_i = tl.sum(tl.where(take, dst, 0), 0)
-        m_i = tl.sum(take.to(tl.int32), 0) > 0
-        tn = (d == dd + 1) & ok
-        sn = tl.sum(tl.where(tn, src, 0), 0)
-        mn = tl.sum(tn.to(tl.int32), 0) > 0
-        nxt = tl.load(base + (sn // block_size) * s_blk + (sn % block_size) * s_off + e_off,
-                      mask=e_ok & mn, other=0)
-        tl.store(base + (t_i // block_size) * s_blk + (t_i % block_size) * s_off + e_off, vals,
-                 mask=e_ok & m_i)
-        vals = nxt
+        if tl.sum(take.to(tl.int32), 0) > 0:
+            s_off_i = (s_i // block_size) * s_blk + (s_i % block_size) * s_off
+            t_off_i = (t_i // block_size) * s_blk + (t_i % block_size) * s_off
+            vals = tl.load(base + s_off_i + e_off, mask=e_ok, other=0)
+            tl.store(base + t_off_i + e_off, vals, mask=e_ok)
     if HAS_POS:
         if (v == 0) & (c == 0):
             qlen = tl.load(qsl_ptr + r + 1).to(tl.int64) - qs
