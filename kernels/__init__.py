@@ -71,7 +71,12 @@ if TRITON_AVAILABLE:
         kv_views,
         packed_kv_view,
     )
-    from .tree_attention import ancestor_rows, tree_attention, tree_attention_merge  # noqa: E402,F401
+    from .tree_attention import (  # noqa: E402,F401
+        ancestor_rows,
+        tree_attention,
+        tree_attention_dims,
+        tree_attention_merge,
+    )
 else:  # pragma: no cover - exercised only without triton
     def _no_triton(name):
         def fn(*args, **kwargs):
@@ -83,6 +88,7 @@ else:  # pragma: no cover - exercised only without triton
     tree_attention = _no_triton("tree_attention")
     ancestor_rows = _no_triton("ancestor_rows")
     tree_attention_merge = _no_triton("tree_attention_merge")
+    tree_attention_dims = _no_triton("tree_attention_dims")
     compact_kv = _no_triton("compact_kv")
     gather_accepted_rows = _no_triton("gather_accepted_rows")
     KVCompactor = _no_triton("KVCompactor")
@@ -90,6 +96,6 @@ else:  # pragma: no cover - exercised only without triton
     kv_views = _no_triton("kv_views")
     packed_kv_view = _no_triton("packed_kv_view")
 
-__all__ += ["ancestor_rows", "ancestor_rows_ref", "tree_attention", "tree_attention_merge", "tree_attention_ref", "context_attention_ref",
+__all__ += ["ancestor_rows", "ancestor_rows_ref", "tree_attention", "tree_attention_dims", "tree_attention_merge", "tree_attention_ref", "context_attention_ref",
             "causal_attention_ref", "KVCompactor", "compact_kv", "compact_kv_ref", "RowGatherer",
             "gather_accepted_rows", "gather_accepted_rows_ref", "kv_views", "packed_kv_view"]

@@ -282,9 +282,9 @@ def _check(q, k_cache, v_cache, block_table, query_start_loc, context_lens, ance
 
 def _launch(q, k_cache, v_cache, block_table, query_start_loc, context_lens, ancestor_mask,
             softmax_scale, ctx_mode, ctx_out, ctx_lse, out, lse, return_lse, request_mask,
-            num_reqs, block_m, block_n, block_t, num_warps, num_stages=None):
-    B, T, Hq, D, Hkv, bs, W = _check(q, k_cache, v_cache, block_table, query_start_loc,
-                                     context_lens, ancestor_mask, num_reqs, request_mask)
+            num_reqs, block_m, block_n, block_t, num_warps, num_stages=None, dims=None):
+    B, T, Hq, D, Hkv, bs, W = dims if dims is not None else _check(
+        q, k_cache, v_cache, block_table, query_start_loc, context_lens, ancestor_mask, num_reqs, request_mask)
     G = Hq // Hkv
     if out is None:
         out = torch.empty_like(q)
@@ -365,14 +365,25 @@ def tree_attention_merge(q, k_cache, v_cache, block_table, query_start_loc, cont
                          request_mask: Optional[torch.Tensor] = None,
                          num_reqs: Optional[int] = None, block_m: Optional[int] = None,
                          block_t: Optional[int] = None, num_warps: int = 4,
-                         num_stages: Optional[int] = None):
+                         num_stages: Optional[int] = None, dims: Optional[tuple] = None):
     """The tree pass merged with a given context pass (``ctx_out [T, Hq, D]``, ``ctx_lse``
     float32 ``[Hq, >= T]``, FlashAttention's output and ``softmax_lse``). ``out`` may be
-    ``ctx_out`` (in place). ``ctx_out=None`` and ``ctx_lse=None``: tree keys only. Other
-    arguments as ``tree_attention``."""
+    ``ctx_out`` (in place). ``ctx_out=None`` and ``ctx_lse=None``: tree keys only. ``dims``:
+    what :func:`tree_attention_dims` returned for arguments of the same shapes, dtypes and
+    devices (skips the argument checks: a caller launching once per layer with one layout).
+    Other arguments as ``tree_attention``."""
     if (ctx_out is None) != (ctx_lse is None):
         raise _err("ctx_out", "and `ctx_lse` must be given together (or both None)")
     mode = 0 if ctx_out is None else 2
     return _launch(q, k_cache, v_cache, block_table, query_start_loc, context_lens, ancestor_mask,
                    softmax_scale, mode, ctx_out, ctx_lse, out, lse, return_lse, request_mask,
-                   num_reqs, block_m, 64, block_t, num_warps, num_stages)
+                   num_reqs, block_m, 64, block_t, num_warps, num_stages, dims)
+
+
+def tree_attention_dims(q, k_cache, v_cache, block_table, query_start_loc, context_lens, ancestor_mask,
+                        *, num_reqs: Optional[int] = None, request_mask: Optional[torch.Tensor] = None):
+    """The argument checks of ``tree_attention`` / ``tree_attention_merge`` alone: raises their
+    named errors, returns the launch dimensions ``(B, T, Hq, D, Hkv, block_size, W)`` to pass as
+    ``dims=`` to later calls with arguments of the same shapes, dtypes and devices."""
+    return _check(q, k_cache, v_cache, block_table, query_start_loc, context_lens, ancestor_mask,
+                  num_reqs, request_mask)

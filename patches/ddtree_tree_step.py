@@ -17,6 +17,11 @@ Sites (each insert is a few marked lines; the anchor itself is kept unchanged):
 * ``vllm/v1/attention/backends/cpu_attn.py::CPUAttentionBackendImpl.forward``, after
   ``ops.cpu_attention_with_kv_cache(...)``: the tree requests' rows recomputed with the ancestor
   mask (only impls of target layers carry the tree step; the drafter's never do).
+* ``vllm/v1/attention/backends/flash_attn.py::FlashAttentionImpl.forward``, before its
+  ``flash_attn_varlen_func(..., causal=causal, ...)`` call: in a tree step the runtime's
+  ``fa_attention`` writes the layer's output (FA3 context pass + tree pass; the causal call first
+  only when some request is not a tree request) and the forward returns; otherwise it goes on,
+  unchanged (vLLM 0.26.0-0.27.0's forward shape; tree-step ABI 2).
 
 * ``vllm/v1/worker/gpu/model_runner.py::GPUModelRunner.__init__`` (the V2 runner), after
   ``self.speculative_config = vllm_config.speculative_config``: a config built for DDTree is
@@ -38,7 +43,7 @@ from ddtree_patcher.patchlib import Patch, PatchFile, Site, Variant, insert_stat
 
 ID = "ddtree-tree-step"
 MARK = f"# ddtree-patch: {ID}"
-TREE_STEP_ABI = 1  # must equal ddtree_patcher.runtime.tree_step.TREE_STEP_ABI; written into the call sites
+TREE_STEP_ABI = 2  # must equal ddtree_patcher.runtime.tree_step.TREE_STEP_ABI; written into the call sites
 ENV_ENABLE = "DDTREE_PATCH_ENABLE"
 ATTR = "ddtree_tree_step"
 
@@ -86,8 +91,8 @@ if _ddtree_ts is not None:  {MARK} (a target layer of a DDTree run: ancestor-onl
 
 FA_CODE = f"""\
 _ddtree_ts = self.__dict__.get("{ATTR}")  {MARK}
-if _ddtree_ts is not None:  {MARK} (a target layer of a DDTree run: FA3 context pass + tree pass)
-    _ddtree_ts.attention(self, query, key_cache, value_cache, attn_metadata, output)  {MARK}
+if _ddtree_ts is not None and _ddtree_ts.fa_attention(self, query, key_cache, value_cache, attn_metadata, output):  {MARK} (a DDTree tree step: FA3 context pass + tree pass)
+    return output  {MARK}
 """
 
 V2_CODE = f"""\
@@ -184,7 +189,7 @@ ATTN_SITE = Site(function=ATTN_FN, anchor="`ops.cpu_attention_with_kv_cache(...)
                  applies=_shape_is(SHAPES_CPU_ATTN))
 
 FA_SITE = Site(function=FA_FN, anchor="`flash_attn_varlen_func(..., causal=causal, ...)`",
-               unfixed=_fa_varlen_call, rewrite=insert_statements(_fa_varlen_call, FA_CODE, after=True),
+               unfixed=_fa_varlen_call, rewrite=insert_statements(_fa_varlen_call, FA_CODE, after=False),
                applies=_shape_is(SHAPES_FA))
 
 V2_SITE = Site(function=V2_INIT_FN, anchor="`self.speculative_config = vllm_config.speculative_config` (V2 runner)",

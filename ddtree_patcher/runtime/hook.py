@@ -171,6 +171,21 @@ def tree_step(runner: Any) -> "TreeStep | None":
     return step or None
 
 
+def upload_many(device, arrays) -> list:
+    """Host integer arrays on ``device`` as int64 1-D views of one staging buffer: on CUDA one
+    pinned copy and one non-blocking host-to-device transfer (no sync) instead of one per array."""
+    import numpy as np
+    import torch
+
+    parts = [np.asarray(a, dtype=np.int64).reshape(-1) for a in arrays]
+    host = torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.int64))
+    if device.type == "cuda":
+        dev = host.pin_memory().to(device, non_blocking=True)
+    else:
+        dev = host.to(device)
+    return list(dev.split([p.size for p in parts]))
+
+
 def _use_reference(dev) -> bool:
     """The Triton kernel on CUDA, or on CPU tensors under TRITON_INTERPRET=1; else the reference."""
     return dev.type != "cuda" and not _flag("TRITON_INTERPRET")
@@ -452,10 +467,7 @@ class TreeStep:
         root_np = starts + np.arange(ro.B, dtype=np.int64)
         req_of_node = np.repeat(np.arange(ro.B, dtype=np.int64), nd)
         node_np = np.arange(ro.ND, dtype=np.int64) + req_of_node + 1
-        idx = self.upload(ro.src)
-        node_rows = self.upload(node_np)
-        root_rows = self.upload(root_np)
-        node_root = self.upload(root_np[req_of_node])
+        idx, node_rows, root_rows, node_root = upload_many(dev, [ro.src, node_np, root_np, root_np[req_of_node]])
         parents = src_all[idx] if ro.ND else torch.zeros(0, dtype=torch.int32, device=dev)
         T = ro.T
         rowpar = torch.arange(T, dtype=torch.int64, device=dev)

@@ -145,20 +145,23 @@ def sample(step, metadata, draft_probs, logits, sm):
     W = int(metadata.max_spec_len) + 1
     counts = ro.num_draft + 1
     tree_gens = {i: g for i, g in sm.generators.items() if i < B and ro.tree[i]}
-    row_req = step.upload(np.repeat(np.arange(B, dtype=np.int64), counts))
-    # Target rows as vLLM processes them: allowed-ids mask, temperature (0 -> 1), top-k/top-p.
-    x = logits.to(torch.float32, copy=True)
-    if sm.allowed_token_ids_mask is not None:
-        x.masked_fill_(sm.allowed_token_ids_mask[row_req], float("-inf"))
-    if not sm.all_greedy:
-        from vllm.v1.sample import rejection_sampler as rs_mod
+    if sm.all_greedy and sm.allowed_token_ids_mask is None:
+        x = logits  # argmax of the logits as they are (a float32 copy would pick the same ids)
+    else:
+        # Target rows as vLLM processes them: allowed-ids mask, temperature (0 -> 1), top-k/top-p.
+        row_req = step.upload(np.repeat(np.arange(B, dtype=np.int64), counts))
+        x = logits.to(torch.float32, copy=True)
+        if sm.allowed_token_ids_mask is not None:
+            x.masked_fill_(sm.allowed_token_ids_mask[row_req], float("-inf"))
+        if not sm.all_greedy:
+            from vllm.v1.sample import rejection_sampler as rs_mod
 
-        temp = sm.temperature
-        temp = torch.where(temp == 0, torch.ones_like(temp), temp)
-        x.div_(temp[row_req].unsqueeze(-1))
-        k = sm.top_k[row_req] if sm.top_k is not None else None
-        p = sm.top_p[row_req] if sm.top_p is not None else None
-        x = rs_mod.apply_top_k_top_p(x, k, p)
+            temp = sm.temperature
+            temp = torch.where(temp == 0, torch.ones_like(temp), temp)
+            x.div_(temp[row_req].unsqueeze(-1))
+            k = sm.top_k[row_req] if sm.top_k is not None else None
+            p = sm.top_p[row_req] if sm.top_p is not None else None
+            x = rs_mod.apply_top_k_top_p(x, k, p)
     argmax = x.argmax(dim=-1)
     draft = metadata.draft_token_ids
     cu = metadata.cu_num_draft_tokens

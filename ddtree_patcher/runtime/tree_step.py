@@ -13,14 +13,18 @@ right for that tree:
 1. **Depth positions** (:meth:`TargetTreeStep.prepare`, in ``_prepare_inputs`` right after the
    slot mapping is computed from linear positions): ``positions[root + j] = positions[root] +
    depth(j)``; KV slots stay one per node (node j at linear position ``ctx + j``).
-2. **Ancestor-only attention** (:meth:`TargetTreeStep.attention`, in the covered attention
-   backend's forward right after its own call): the rows of tree requests are recomputed with
-   the ancestor mask (whole context + ancestors + itself). CPU_ATTN (its op takes no mask): the
-   explicit ``[q_len, ctx + q_len]`` mask on the backend's measured paged KV views (the reference
-   math of ``ddtree_patcher.kernels``). FlashAttention 3 (CUDA): the forward's own
+2. **Ancestor-only attention**: the rows of tree requests attend with the ancestor mask (whole
+   context + ancestors + itself). CPU_ATTN (:meth:`TargetTreeStep.attention`, right after the
+   backend's own call; its op takes no mask): those rows are recomputed with the explicit
+   ``[q_len, ctx + q_len]`` mask on the backend's measured paged KV views (the reference math of
+   ``ddtree_patcher.kernels``). FlashAttention 3 (:meth:`TargetTreeStep.fa_attention`, right
+   *before* the forward's own causal call, which it replaces in a tree step): the forward's
    ``flash_attn_varlen_func`` over the context only (``causal=False``, ``seqused_k = ctx``,
    ``return_softmax_lse``), then ``tree_attention_merge`` (Triton) adds the tree keys to that
-   softmax state. Rows of other requests keep the backend's own causal result.
+   softmax state. When every request of the step is a tree request (the steady state) that is
+   the layer's only FlashAttention call; otherwise the causal call runs first, for the rows of
+   the other requests, with the arguments the forward passes for the configurations DDTree
+   admits.
 3. **KV compaction** (:meth:`TargetTreeStep.after_walk`, called by ``TreeStep.keep`` right after
    the tree walk, before the drafter and before the next step): for every target layer of every
    KV-cache group, the KV of the node accepted at depth d (slot of ``ctx + j_d``) moves to the
@@ -46,7 +50,9 @@ import logging
 import os
 from pathlib import Path
 
-TREE_STEP_ABI = 1  # the call-site <-> runtime contract; bump on any incompatible change
+TREE_STEP_ABI = 2  # the call-site <-> runtime contract; bump on any incompatible change
+# (2: the FlashAttention site moved before the forward's causal call and returns when
+# fa_attention() handled the layer)
 ENV_ENABLE = "DDTREE_PATCH_ENABLE"
 ATTR = "ddtree_tree_step"  # on the runner, and on the attention impls of the target layers
 MARK = "# ddtree-patch: ddtree-tree-step"
@@ -216,7 +222,8 @@ class TargetTreeStep:
     def _init_state(self) -> None:
         self.impl_views = {}  # id(attention impl) -> its layer's measured (K, V) views (CPU_ATTN)
         self.fa_varlen = None  # FlashAttention's flash_attn_varlen_func (the forward's own), FA3 path
-        self.fa_step = None  # (context lengths, scratch output): made by the step's first FA3 layer
+        self.fa_step = None  # (context lengths, scratch, merge dims): made by the step's first FA3 layer
+        self.all_tree = False  # every request of the step is a tree request with exactly its tree's rows
         self.backend = None  # "CPU_ATTN" | "FLASH_ATTN (FA3)"
         self.num_layers = 0
         self.root_ext = None  # int64 [B + 1]: each request's root row (then T): the compaction's row base
@@ -401,38 +408,22 @@ class TargetTreeStep:
         node_r = np.repeat(np.arange(B), nd)  # per node: its request
         node_j = np.concatenate([np.arange(1, n + 1) for n in nd if n]) if nd.any() else np.zeros(0, np.int64)
         node_rows_np = root_np[node_r] + node_j
-        upload = self.upload
-        self.node_rows = upload(node_rows_np.astype(np.int64))
-        self.node_root = upload(root_np[node_r].astype(np.int64))
-        self.node_index = upload(node_j.astype(np.int64))
-        self.root_rows = upload(root_np.astype(np.int64))
-        self.root_ext = upload(np.append(root_np, int(T)).astype(np.int64))
-        self.tree_rows = upload(np.concatenate([root_np[tree_req], node_rows_np]).astype(np.int64))
-        self.req_mask = upload(tree_req)
-        flat = self.upload_index(node_r * W + node_j)
+        from .hook import upload_many
+
+        (self.node_rows, self.node_root, self.node_index, self.root_rows, self.root_ext, self.tree_rows, flat,
+         num_nodes) = upload_many(self.device, [node_rows_np, root_np[node_r], node_j, root_np, np.append(root_np, int(T)),
+                                                np.concatenate([root_np[tree_req], node_rows_np]), node_r * W + node_j, nd])
+        self.req_mask = num_nodes > 0  # one transfer for the step's index arrays (above), no second one
         if positions is not None:
             positions.index_copy_(0, self.node_rows,
                                   positions[self.node_root] + depth.reshape(-1)[flat].to(positions.dtype))
         self.depth = depth
         self.fa_step = None
+        self.all_tree = bool(tree_req.all() and (nsched == nd + 1).all())
         self.B, self.T, self.W = B, int(T), W
         self.active = True
         self.tree_steps += 1
         self.tree_requests += int(tree_req.sum())
-
-    def upload(self, array):
-        """A host numpy array on the device (pinned, non-blocking on CUDA: no sync)."""
-        import torch
-
-        t = torch.from_numpy(array)
-        if self.device.type == "cuda":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t.to(self.device)
-
-    def upload_index(self, array):
-        import numpy as np
-
-        return self.upload(np.asarray(array, dtype=np.int64))
 
     # ---- 2. the attention backend's forward: ancestor-only attention --------------------------
     def attention(self, impl, query, key_cache, value_cache, attn_metadata, output) -> None:
@@ -440,10 +431,8 @@ class TargetTreeStep:
         requests' rows of ``output`` with the tree-masked attention (float64 softmax, the
         reference math, on the measured views of this layer's paged cache, the memory of the
         forward's ``key_cache``/``value_cache``)."""
-        if not self.active or attn_metadata is None:
+        if not self.active or attn_metadata is None or self.fa_varlen is not None:
             return
-        if self.fa_varlen is not None:
-            return self._fa_attention(impl, query, key_cache, value_cache, attn_metadata, output)
         from ddtree_patcher.kernels import tree_attention_ref
 
         md = attn_metadata
@@ -459,35 +448,60 @@ class TargetTreeStep:
         o.index_copy_(0, self.tree_rows, out.index_select(0, self.tree_rows).to(o.dtype))
         self.attention_calls += 1
 
+    def fa_attention(self, impl, query, key_cache, value_cache, md, output) -> bool:
+        """FlashAttention ``forward``, right before its own causal ``flash_attn_varlen_func`` call:
+        False (not a tree step: the forward goes on, unchanged) or True when this call wrote the
+        layer's ``output`` rows and the forward returns. In a tree step: when some request is not
+        a tree request (prefill, chain-verified), the causal call first, for all rows, with the
+        arguments the forward passes for the configurations DDTree admits (no sliding window,
+        softcap, ALiBi, sinks, quantized KV, DCP, cascade: refused or switched off at bind); then
+        :meth:`_fa_attention` for the tree requests' rows. Device work only (no host sync)."""
+        if not self.active or md is None or self.fa_varlen is None:
+            return False
+        if not self.all_tree:
+            T = int(md.num_actual_tokens)
+            self.fa_varlen(q=query[:T], k=key_cache, v=value_cache, out=output[:T], cu_seqlens_q=md.query_start_loc,
+                           max_seqlen_q=md.max_query_len, seqused_k=md.seq_lens, max_seqlen_k=md.max_seq_len,
+                           softmax_scale=impl.scale, causal=True, block_table=md.block_table,
+                           scheduler_metadata=md.scheduler_metadata, num_splits=md.max_num_splits,
+                           fa_version=impl.vllm_flash_attn_version)
+        self._fa_attention(impl, query, key_cache, value_cache, md, output)
+        return True
+
     def _fa_attention(self, impl, query, key_cache, value_cache, md, output) -> None:
-        """FlashAttention ``forward``, after its own causal call: for the tree requests, FA3 over
-        the context only (``causal=False``, ``seqused_k = ctx``, ``return_softmax_lse``) into a
-        scratch buffer, then ``tree_attention_merge`` (Triton) adds the tree keys with the ancestor
-        bitmask to that softmax state and writes the tree requests' rows of ``output``. Other
-        requests keep the causal result. Device work only (no host synchronisation)."""
+        """The tree requests' rows: FA3 over the context only (``causal=False``, ``seqused_k =
+        ctx``, ``return_softmax_lse``) into a scratch buffer, then ``tree_attention_merge``
+        (Triton) adds the tree keys with the ancestor bitmask to that softmax state and writes
+        those rows of ``output``; other rows are left as they are. The context lengths, the
+        scratch and the merge's checked dimensions are made by the step's first layer (every
+        target layer has the same metadata and KV shape)."""
         import torch
 
-        from ddtree_patcher.kernels import tree_attention_merge
+        from ddtree_patcher.kernels import tree_attention_dims, tree_attention_merge
 
         B = self.B
         T = int(md.num_actual_tokens)
         H, D = impl.num_heads, impl.head_size
         qsl = md.query_start_loc
         q = query[:T].view(T, H, D)
-        if self.fa_step is None or self.fa_step[1].shape != q.shape or self.fa_step[1].dtype != q.dtype:
-            # once per step (every layer has the same metadata): context lengths, scratch output
+        st = self.fa_step
+        if st is None or st[1].shape != q.shape or st[1].dtype != q.dtype:
             ctx = md.seq_lens[:B] - (qsl[1:B + 1] - qsl[:B])
             ctx = torch.where(self.req_mask, ctx, torch.zeros_like(ctx))  # other requests: no context pass
-            self.fa_step = (ctx, torch.empty_like(q))
-        ctx, scratch = self.fa_step
+            dims = tree_attention_dims(q, key_cache, value_cache, md.block_table, qsl, ctx, self.ancestor_mask,
+                                       num_reqs=B, request_mask=self.req_mask)
+            st = self.fa_step = (ctx, torch.empty_like(q), dims, key_cache.shape, key_cache.stride())
+        ctx, scratch, dims, kshape, kstride = st
         _, lse = self.fa_varlen(
             q=q, k=key_cache, v=value_cache, out=scratch, cu_seqlens_q=qsl[:B + 1],
             max_seqlen_q=md.max_query_len, seqused_k=ctx, max_seqlen_k=md.max_seq_len,
             softmax_scale=impl.scale, causal=False, block_table=md.block_table,
             return_softmax_lse=True, fa_version=3)
         o = output[:T].view(T, H, D)
+        same = key_cache.shape == kshape and key_cache.stride() == kstride  # the checked layout
         tree_attention_merge(q, key_cache, value_cache, md.block_table, qsl, ctx, self.ancestor_mask,
-                             impl.scale, scratch, lse, out=o, request_mask=self.req_mask, num_reqs=B)
+                             impl.scale, scratch, lse, out=o, request_mask=self.req_mask, num_reqs=B,
+                             dims=dims if same else None)
         self.attention_calls += 1
 
     # ---- 3. after the walk: KV compaction ----------------------------------------------------

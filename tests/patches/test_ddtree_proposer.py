@@ -308,7 +308,8 @@ def test_boot_guard_names_mode_and_budget(make_site, cli, monkeypatch, caplog):
     assert guard.check(site, guard.TREE_STEP_ID) == (True, "intact")
     fa = site / "vllm/v1/attention/backends/flash_attn.py"
     fa_good = fa.read_bytes()
-    fa.write_bytes(fa_good.replace(b"_ddtree_ts.attention(", b"_ddtree_ts.attention_(", 1))
+    fa.write_bytes(fa_good.replace(b"_ddtree_ts.fa_attention(", b"_ddtree_ts.fa_attention_(", 1))
+    assert fa.read_bytes() != fa_good
     for extra in ({}, {"DDTREE_PATCH_ON_DRIFT": "warn"}):
         log, raised = _guard(site, monkeypatch, caplog, DDTREE_PATCH_ENABLE="1", **extra)
         assert raised.startswith("RAISED HookNotIntact ddtree-patch: DDTree tree step NOT intact: "

@@ -1,0 +1,141 @@
+"""The tree step's FlashAttention path (``TargetTreeStep.fa_attention``, tree-step ABI 2) on CPU:
+FlashAttention 3 emulated by the dense references of ``kernels/tree_step_reference.py`` (the
+forward's ``flash_attn_varlen_func`` is the one thing replaced), ``tree_attention_merge`` under
+the Triton interpreter. The FA3 site sits before the forward's causal call and returns when
+``fa_attention`` says it wrote the layer:
+
+* every request a tree request (the steady state): one FA call (the context pass), then the
+  merge; every row = the tree-masked reference; the forward's own causal call is skipped;
+* a mixed step (a request without a tree): the causal call first for all rows, then the context
+  pass + merge for the tree rows: tree rows = tree reference, other rows = causal reference;
+* not a tree step: False, nothing called (the forward goes on unchanged);
+* a second layer of the same step reuses the first layer's checked dimensions.
+
+On the H200 the same path runs with the real FA3 in scripts/gpu_tree_e2e.sh."""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from ddtree_patcher.kernels.tree_step_reference import (
+    causal_attention_ref,
+    context_attention_ref,
+    tree_attention_ref,
+)
+from ddtree_patcher.runtime import tree_step as TS
+
+NB, BS, HKV, HQ, D = 24, 4, 2, 4, 16
+SCALE = D ** -0.5
+
+
+def fa_emulation(calls):
+    """``flash_attn_varlen_func`` as the tree step calls it, dense float32/64 math."""
+
+    def fa(q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k, softmax_scale, causal,
+           block_table, return_softmax_lse=False, **kw):
+        calls.append("causal" if causal else "context")
+        B = cu_seqlens_q.numel() - 1
+        if causal:
+            qlen = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+            o = causal_attention_ref(q, k, v, block_table, cu_seqlens_q, seqused_k[:B] - qlen, softmax_scale)
+            out.copy_(o.to(out.dtype))
+            return out
+        o, lse = context_attention_ref(q, k, v, block_table, cu_seqlens_q, seqused_k[:B], softmax_scale,
+                                       empty_fill=0.0)
+        out.copy_(o)
+        return (out, lse) if return_softmax_lse else out
+
+    return fa
+
+
+def step(nsched, trees, ctx, seed):
+    g = torch.Generator().manual_seed(seed)
+    B, T = len(nsched), sum(nsched)
+    calls = []
+    st = TS.TargetTreeStep.__new__(TS.TargetTreeStep)
+    st._init_state()
+    st.device = torch.device("cpu")
+    st.fa_varlen = fa_emulation(calls)
+    st.set_plan(B, T, nsched, trees, None)
+    seq = [c + n for c, n in zip(ctx, nsched)]
+    blocks = torch.randperm(NB, generator=g)
+    need = [(s + BS - 1) // BS for s in seq]
+    bt = torch.zeros(B, max(need), dtype=torch.int32)
+    at = 0
+    for r, k in enumerate(need):
+        bt[r, :k] = blocks[at:at + k]
+        at += k
+    qsl = torch.tensor([0] + list(torch.tensor(nsched).cumsum(0)), dtype=torch.int32)
+    md = types.SimpleNamespace(num_actual_tokens=T, query_start_loc=qsl, seq_lens=torch.tensor(seq, dtype=torch.int32),
+                               max_query_len=max(nsched), max_seq_len=max(seq), block_table=bt,
+                               scheduler_metadata=None, max_num_splits=0)
+    impl = types.SimpleNamespace(num_heads=HQ, head_size=D, scale=SCALE, vllm_flash_attn_version=3)
+    return st, md, impl, calls, g
+
+
+def layer(st, md, impl, g, T, pad=2):
+    k = torch.randn(NB, BS, HKV, D, generator=g)
+    v = torch.randn(NB, BS, HKV, D, generator=g)
+    q = torch.randn(T + pad, HQ, D, generator=g)  # the forward's query / output: [tokens, heads, head_size]
+    out = torch.full((T + pad, HQ, D), float("nan"))
+    done = st.fa_attention(impl, q, k, v, md, out)
+    return done, q[:T], k, v, out
+
+
+def expected(st, md, q, k, v, ctx, tree_reqs):
+    ctx_t = torch.tensor(ctx, dtype=torch.int32)
+    tree, _ = tree_attention_ref(q, k, v, md.block_table, md.query_start_loc, ctx_t, st.ancestor_mask, SCALE,
+                                 request_mask=st.req_mask, num_reqs=len(ctx))
+    causal = causal_attention_ref(q, k, v, md.block_table, md.query_start_loc, ctx_t, SCALE)
+    qsl = md.query_start_loc.tolist()
+    exp = causal.clone()
+    for r in tree_reqs:
+        exp[qsl[r]:qsl[r + 1]] = tree[qsl[r]:qsl[r + 1]]
+    return exp
+
+
+def test_all_tree_step_is_one_context_pass_and_the_merge():
+    nsched, ctx = [5, 3], [7, 10]
+    trees = [(0, 4, torch.tensor([0, 0, 1, 2])), (1, 2, torch.tensor([0, 0]))]
+    st, md, impl, calls, g = step(nsched, trees, ctx, 0)
+    assert st.all_tree
+    T = sum(nsched)
+    for n_layer in range(2):  # the second layer reuses the step's dims, context lengths, scratch
+        done, q, k, v, out = layer(st, md, impl, g, T)
+        assert done and calls == ["context"] * (n_layer + 1), calls
+        exp = expected(st, md, q, k, v, ctx, [0, 1])
+        torch.testing.assert_close(out[:T], exp, atol=2e-4, rtol=2e-4)
+        assert torch.isnan(out[T:]).all()  # padding rows untouched
+    assert st.attention_calls == 2
+
+
+def test_mixed_step_runs_the_causal_call_first():
+    nsched, ctx = [5, 3, 4], [6, 9, 3]  # request 1: no tree (a chain-verified or prefill request)
+    trees = [(0, 4, torch.tensor([0, 0, 1, 2])), (2, 3, torch.tensor([0, 1, 1]))]
+    st, md, impl, calls, g = step(nsched, trees, ctx, 1)
+    assert not st.all_tree
+    T = sum(nsched)
+    done, q, k, v, out = layer(st, md, impl, g, T)
+    assert done and calls == ["causal", "context"], calls
+    torch.testing.assert_close(out[:T], expected(st, md, q, k, v, ctx, [0, 2]), atol=2e-4, rtol=2e-4)
+
+
+def test_tree_request_with_extra_rows_is_not_all_tree():
+    # a request scheduled with more rows than its tree's (not a verify row layout): the causal call runs
+    st, *_ = step([6, 3], [(0, 4, torch.tensor([0, 0, 1, 2])), (1, 2, torch.tensor([0, 0]))], [4, 4], 2)
+    assert not st.all_tree
+
+
+@pytest.mark.parametrize("why", ["inactive", "no-metadata"])
+def test_not_a_tree_step_leaves_the_forward_alone(why):
+    st, md, impl, calls, g = step([3], [(0, 2, torch.tensor([0, 0]))], [5], 3)
+    if why == "inactive":
+        st.active = False
+    else:
+        md = None
+    out = torch.zeros(3, HQ, D)
+    assert st.fa_attention(impl, torch.randn(3, HQ, D), torch.zeros(NB, BS, HKV, D), torch.zeros(NB, BS, HKV, D),
+                           md, out) is False
+    assert calls == [] and not out.any()
