@@ -19,8 +19,10 @@ forward        ``GPUModelRunner._model_forward`` (the target forward; DDTree's t
                runs inside it)
 attn           ``FlashAttentionImpl.forward`` summed over the target's layers (inside
                ``forward``; the drafter's layers count as ``draft_attn``)
-dd_attn        ``TargetTreeStep.attention`` summed over the layers (the FA3 context pass +
-               the tree merge; inside ``attn``)
+dd_attn        ``TargetTreeStep.fa_attention`` (FA3: in a tree step the layer's whole
+               attention, the context pass + the tree merge, and the causal call when some
+               request has no tree) or ``TargetTreeStep.attention`` (CPU_ATTN: the tree rows
+               recomputed), summed over the layers (inside ``attn``)
 prepare        ``GPUModelRunner._prepare_inputs``;  ``dd_prepare``: ``TargetTreeStep.prepare``
 sample         ``GPUModelRunner._sample`` (vLLM's rejection sampler, or the tree walk)
 dd_walk        ``TreeStep.sample_v1`` (the tree walk, including ``dd_compact``)
@@ -155,6 +157,11 @@ class Timer:
         keys = sorted({k for r in rows for k in r})
         med = {k: round(statistics.median(r.get(k, 0.0) for r in rows), 4) for k in keys}
         med["steps"] = len(rows)
+        for k in ("wall_ms", "gpu_ms"):  # the spread of the step time over the steady steps
+            xs = sorted(r[k] for r in rows if k in r)
+            if len(xs) >= 4:
+                q = statistics.quantiles(xs, n=4)
+                med[k + "_q1"], med[k + "_q3"] = round(q[0], 4), round(q[2], 4)
         return med
 
 
@@ -214,7 +221,8 @@ def run_engine(a) -> dict:
             from ddtree_patcher.runtime import ddtree, hook, tree_step
 
             timer.wrap(tree_step.TargetTreeStep, "prepare", "dd_prepare")
-            timer.wrap(tree_step.TargetTreeStep, "attention", "dd_attn")
+            timer.wrap(tree_step.TargetTreeStep, "attention", "dd_attn")  # CPU_ATTN's tree rows
+            timer.wrap(tree_step.TargetTreeStep, "fa_attention", "dd_attn")  # FA3: the whole layer in a tree step
             timer.wrap(tree_step.TargetTreeStep, "after_walk", "dd_compact")
             timer.wrap(tree_step.TargetTreeStep, "drafter_rows", "dd_rows")
             timer.wrap(hook.TreeStep, "sample_v1", "dd_walk")
@@ -285,7 +293,8 @@ def table(paths, out=None) -> int:
             ours = g("dd_prepare") + g("dd_walk") + g("dd_build") + g("dd_rows")
             rest = step - g("forward") - draft_fwd
             rows.append(dict(engine=label(r), mode=r["mode"], B=int(B), k=r["k"], steps=p.get("steps"),
-                             step_ms=p.get("wall_ms"), timed_ms=t.get("wall_ms"), gpu_ms=step, forward=g("forward"),
+                             step_ms=p.get("wall_ms"), step_q1=p.get("wall_ms_q1"), step_q3=p.get("wall_ms_q3"),
+                             timed_ms=t.get("wall_ms"), gpu_ms=step, forward=g("forward"),
                              attn=g("attn"), dd_attn=g("dd_attn"), draft_fwd=draft_fwd, prepare=g("prepare"),
                              dd_prepare=g("dd_prepare"), sample=g("sample"), dd_walk=g("dd_walk"),
                              dd_compact=g("dd_compact"), dd_build=g("dd_build"), dd_rows=g("dd_rows"), ours=ours,
@@ -293,11 +302,12 @@ def table(paths, out=None) -> int:
                              rest_pct=100 * rest / step if step else None))
     rows.sort(key=lambda x: (x["B"], {"nospec": 0, "chain": 1, "ddtree": 2}[x["mode"]], x["k"]))
     f = lambda v, n=2: "-" if v is None else f"{v:.{n}f}"  # noqa: E731
-    print(f"{'B':>3} {'engine':<14} {'steps':>5} {'step ms':>8} {'timed':>7} {'fwd':>7} {'attn':>6} {'dd_attn':>7} "
+    print(f"{'B':>3} {'engine':<14} {'steps':>5} {'step ms':>8} {'q1-q3':>13} {'timed':>7} {'fwd':>7} {'attn':>6} {'dd_attn':>7} "
           f"{'drafter':>7} {'sample':>6} {'walk':>6} {'compact':>7} {'build':>6} {'rows':>5} {'prep':>5} "
           f"{'ours %':>6} {'non-fwd %':>9}")
     for x in rows:
-        print(f"{x['B']:>3} {x['engine']:<14} {x['steps']:>5} {f(x['step_ms']):>8} {f(x['timed_ms']):>7} "
+        iqr = f"{f(x['step_q1'], 1)}-{f(x['step_q3'], 1)}"
+        print(f"{x['B']:>3} {x['engine']:<14} {x['steps']:>5} {f(x['step_ms']):>8} {iqr:>13} {f(x['timed_ms']):>7} "
               f"{f(x['forward']):>7} {f(x['attn']):>6} {f(x['dd_attn']):>7} {f(x['draft_fwd']):>7} "
               f"{f(x['sample'], 3):>6} {f(x['dd_walk'], 3):>6} {f(x['dd_compact'], 3):>7} {f(x['dd_build'], 3):>6} "
               f"{f(x['dd_rows'], 3):>5} {f(x['dd_prepare'], 3):>5} {f(x['ours_pct'], 1):>6} {f(x['rest_pct'], 1):>9}")

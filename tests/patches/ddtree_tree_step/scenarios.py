@@ -44,8 +44,10 @@ def requests(scenario: str, n_prompts: int = 4, max_tokens: int = 32, logprobs: 
     if scenario == "basic":
         prompts = [[(7 * j + 3 * i) % 997 + 2 for j in range(8 + 5 * i)] for i in range(n_prompts)]
         return prompts, [dict(max_tokens=max_tokens, temperature=0.0, logprobs=logprobs or None)] * n_prompts
-    if scenario == "mixed":
-        return [p for p, *_ in MIXED], [dict(max_tokens=m, temperature=0.0, **extra) for _, m, extra, _ in MIXED]
+    if scenario == "mixed":  # logprobs (a no-speculation reference's margins): where a request has none
+        return [p for p, *_ in MIXED], [dict(max_tokens=m, temperature=0.0, **({"logprobs": logprobs} if logprobs and
+                                                                               "logprobs" not in extra else {}), **extra)
+                                        for _, m, extra, _ in MIXED]
     if scenario == "sampled":
         return ([list(SAMPLED_PROMPT) for _ in range(n_prompts)],
                 [dict(max_tokens=max_tokens, temperature=1.0, seed=seed_base + i) for i in range(n_prompts)])
