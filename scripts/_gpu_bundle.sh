@@ -3,6 +3,10 @@
 #   bundle_stage1   first `run` call (carry .bundle/01 and .whl): part 1 of the bundle, libcst
 #   bundle_install  second call (carry .bundle/02): unpack into /tmp/site once per machine, export
 #                   the environment every engine process of these scripts runs with
+#   bundle_apply_series   the whole patch series applied to /tmp/site once per machine ($O/apply.log)
+#   engine_pending TAG BUDGET MIN   whether engine TAG still has to run: not finished in $L (a RESULT
+#                   line with "ok": true), selected by ONLY, and at least MIN of the BUDGET seconds
+#                   since T0 left (then sets `left`); says SKIP otherwise
 
 bundle_stage1() {
   mkdir -p /tmp/vb && cp "$REPO"/.bundle/01/* /tmp/vb/ && ls -la /tmp/vb | tail -3
@@ -18,4 +22,18 @@ bundle_install() {
   fi
   export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=/tmp/site:/tmp/tools:$REPO PYTHONUNBUFFERED=1 \
     VLLM_ENABLE_V1_MULTIPROCESSING=0
+}
+
+bundle_apply_series() {
+  if ! grep -q "ddtree-patch: ddtree-tree-step" /tmp/site/vllm/v1/attention/backends/flash_attn.py 2>/dev/null; then
+    python3 -m ddtree_patcher.cli apply --vllm-path /tmp/site > "$O/apply.log" 2>&1 || { cat "$O/apply.log"; exit 5; }
+  fi
+}
+
+engine_pending() {
+  local tag=$1
+  [ -f "$L/$tag.log" ] && grep -q '^RESULT .*"ok": true' "$L/$tag.log" && return 1
+  case " ${ONLY:-$tag} " in *" $tag "*) ;; *) return 1 ;; esac
+  left=$(( $2 - ($(date +%s) - T0) ))
+  if [ $left -lt "$3" ]; then echo "SKIP $tag (${left} s left)"; return 1; fi
 }

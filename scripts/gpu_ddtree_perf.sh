@@ -40,18 +40,13 @@ stage2)
   ph install
   bundle_install
   export VLLM_USE_V2_MODEL_RUNNER=0
-  if ! grep -q "ddtree-patch: ddtree-tree-step" /tmp/site/vllm/v1/attention/backends/flash_attn.py 2>/dev/null; then
-    ph apply
-    python3 -m ddtree_patcher.cli apply --vllm-path /tmp/site > "$O/apply.log" 2>&1 || { cat "$O/apply.log"; exit 5; }
-  fi
+  ph apply
+  bundle_apply_series
   ROOT=/tmp/q8b-dummy
   python3 "$REPO/benchmarks/bench_ddtree_step.py" ckpt "$ROOT" --shape qwen3-8b || exit 6
   for e in "${ENGINES[@]}"; do
     set -- $e; tag=$1; shift
-    [ -f "$L/$tag.log" ] && grep -q '^RESULT .*"ok": true' "$L/$tag.log" && continue
-    case " ${ONLY:-$tag} " in *" $tag "*) ;; *) continue ;; esac
-    left=$(( ${BUDGET:-540} - ($(date +%s) - T0) ))
-    if [ $left -lt 60 ]; then echo "SKIP $tag (${left} s left)"; continue; fi
+    engine_pending "$tag" "${BUDGET:-540}" 60 || continue
     ph "$tag (limit ${left}s)"
     budget=$(echo "$@" | sed -n 's/.*--budget \([0-9]*\).*/\1/p')
     ( if [ -n "$budget" ]; then export DDTREE_PATCH_ENABLE=1 DDTREE_PATCH_BUDGET=$budget; fi

@@ -47,9 +47,7 @@ stage2)
     N_PROMPTS=${N_PROMPTS:-6} MAX_TOKENS=${MAX_TOKENS:-48}
   export ROOT=/tmp/tiny-branchy-$DTYPE
   ph apply
-  if ! grep -q "ddtree-patch: ddtree-tree-step" /tmp/site/vllm/v1/attention/backends/flash_attn.py 2>/dev/null; then
-    python3 -m ddtree_patcher.cli apply --vllm-path /tmp/site > "$O/apply.log" 2>&1 || { cat "$O/apply.log"; exit 5; }
-  fi
+  bundle_apply_series
   grep -E "^(PATCH|[a-z-]+ +(applied|upstream|not-applicable|pending))" "$O/apply.log" 2>/dev/null | cut -c1-60
   if [ ! -d "$ROOT/target" ]; then
     ph ckpt
@@ -58,10 +56,7 @@ stage2)
   fi
   for e in "${ENGINES[@]}"; do
     set -- $e; tag=$1; shift
-    [ -f "$L/$tag.log" ] && grep -q '^RESULT .*"ok": true' "$L/$tag.log" && continue
-    case " ${ONLY:-$tag} " in *" $tag "*) ;; *) continue ;; esac
-    left=$(( ${BUDGET:-420} - ($(date +%s) - T0) ))
-    if [ $left -lt 40 ]; then echo "SKIP $tag (${left} s left)"; continue; fi
+    engine_pending "$tag" "${BUDGET:-420}" 40 || continue
     ph "$tag (limit ${left}s)"
     ( unset DDTREE_PATCH_ENABLE CONTROL CG_MODE LOGPROBS SYNC_DEBUG; export TAG=$tag "$@"
       timeout "$left" python3 "$REPO/tests/patches/ddtree_tree_step/run_tree_engine.py" > "$L/$tag.log" 2>&1 )
