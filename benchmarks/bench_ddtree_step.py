@@ -154,14 +154,14 @@ class Timer:
                 for name, a, b in spans:
                     row[name] = row.get(name, 0.0) + self.span_ms(a, b)
             rows.append(row)
-        keys = sorted({k for r in rows for k in r})
-        med = {k: round(statistics.median(r.get(k, 0.0) for r in rows), 4) for k in keys}
+        keys = sorted({key for r in rows for key in r})
+        med = {key: round(statistics.median(r.get(key, 0.0) for r in rows), 4) for key in keys}
         med["steps"] = len(rows)
-        for k in ("wall_ms", "gpu_ms"):  # the spread of the step time over the steady steps
-            xs = sorted(r[k] for r in rows if k in r)
+        for key in ("wall_ms", "gpu_ms"):  # the spread of the step time over the steady steps
+            xs = sorted(r[key] for r in rows if key in r)
             if len(xs) >= 4:
                 q = statistics.quantiles(xs, n=4)
-                med[k + "_q1"], med[k + "_q3"] = round(q[0], 4), round(q[2], 4)
+                med[key + "_q1"], med[key + "_q3"] = round(q[0], 4), round(q[2], 4)
         return med
 
 

@@ -358,10 +358,7 @@ class TreeStep:
             has[r] = True
         flat = [a.reshape(-1).to(torch.int64) for a in self._att]
         src = torch.cat(flat + [torch.full((1,), -1, dtype=torch.int64, device=self.device)])
-        dev_idx = torch.from_numpy(idx)
-        if self.device.type == "cuda":
-            dev_idx = dev_idx.pin_memory()
-        return src[dev_idx.to(self.device, non_blocking=True)], has
+        return src[self.upload(idx)], has
 
     # ---- routing (host) ------------------------------------------------------------------------
     def route(self, req_ids: Sequence[str], num_draft: Sequence[int], step_reason: str | None) -> Routing:
