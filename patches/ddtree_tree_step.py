@@ -10,6 +10,11 @@ Sites (each insert is a few marked lines; the anchor itself is kept unchanged):
   ``self.input_batch.block_table.compute_slot_mapping(...)`` (slots come from linear positions):
   once per runner, bind the tree step when DDTree is on; each step, positions of tree rows
   become ``ctx + depth`` and the step's tree metadata is written.
+* same file, ``GPUModelRunner.capture_model``, after
+  ``compilation_counter.num_gpu_runner_capture_triggers += 1`` (past its ``cudagraph_mode ==
+  NONE`` return): with DDTree on, the tree step binds before any graph is warmed up or captured,
+  so FULL decode graphs (FULL_AND_PIECEWISE, vLLM's default; FULL_DECODE_ONLY) capture the tree
+  attention on its persistent buffers (tree-step ABI 3).
 * same file, ``GPUModelRunner.propose_draft_token_ids``, before
   ``if self.supports_mm_inputs and self.drafter.supports_mm_inputs:`` (the EAGLE/DFlash branch,
   after ``target_hidden_states`` / ``target_positions`` are taken): the drafter's hidden rows
@@ -43,7 +48,7 @@ from ddtree_patcher.patchlib import Patch, PatchFile, Site, Variant, insert_stat
 
 ID = "ddtree-tree-step"
 MARK = f"# ddtree-patch: {ID}"
-TREE_STEP_ABI = 2  # must equal ddtree_patcher.runtime.tree_step.TREE_STEP_ABI; written into the call sites
+TREE_STEP_ABI = 3  # must equal ddtree_patcher.runtime.tree_step.TREE_STEP_ABI; written into the call sites
 ENV_ENABLE = "DDTREE_PATCH_ENABLE"
 ATTR = "ddtree_tree_step"
 
@@ -52,6 +57,7 @@ CPU_ATTN_PY = "vllm/v1/attention/backends/cpu_attn.py"
 FLASH_ATTN_PY = "vllm/v1/attention/backends/flash_attn.py"
 PREP_FN = "GPUModelRunner._prepare_inputs"
 DRAFT_FN = "GPUModelRunner.propose_draft_token_ids"
+CAPTURE_FN = "GPUModelRunner.capture_model"
 ATTN_FN = "CPUAttentionBackendImpl.forward"
 BUILDER_FN = "CPUAttentionMetadataBuilder.__init__"
 FA_FN = "FlashAttentionImpl.forward"
@@ -75,6 +81,15 @@ if _ddtree_ts is False:  {MARK} (first step of this runner)
         _ddtree_ts = _ddtree_bind(self, tree_step_abi={TREE_STEP_ABI})  {MARK}
 if _ddtree_ts is not None:  {MARK} (DDTree: tree rows at ctx + depth)
     _ddtree_ts.prepare(self, scheduler_output, num_reqs, num_scheduled_tokens, total_num_scheduled_tokens)  {MARK}
+"""
+
+CAPTURE_CODE = f"""\
+if self.speculative_config is not None and __import__("os").environ.get("{ENV_ENABLE}", "0") not in ("", "0"):  {MARK}
+    try:  {MARK}
+        from ddtree_patcher.runtime.tree_step import before_capture as _ddtree_before_capture  {MARK}
+    except ImportError as _ddtree_err:  {MARK}
+        raise RuntimeError({MISSING.format(abi=TREE_STEP_ABI)!r}) from _ddtree_err  {MARK}
+    _ddtree_before_capture(self, tree_step_abi={TREE_STEP_ABI})  {MARK} (DDTree: bound before graphs are captured)
 """
 
 DRAFT_CODE = f"""\
@@ -117,6 +132,13 @@ def _slot_mapping_call():
         attr=m.Name("compute_slot_mapping"))))])
 
 
+def _capture_counter():
+    """``compilation_counter.num_gpu_runner_capture_triggers += 1`` (``capture_model``)."""
+    return m.SimpleStatementLine(body=[m.AugAssign(
+        target=m.Attribute(value=m.Name("compilation_counter"), attr=m.Name("num_gpu_runner_capture_triggers")),
+        operator=m.AddAssign())])
+
+
 def _mm_inputs_if():
     """``if self.supports_mm_inputs and self.drafter.supports_mm_inputs:``"""
     return m.If(test=m.BooleanOperation(
@@ -155,7 +177,10 @@ def _fa_varlen_call():
 # write the KV in the forward, before its attention call; 0.27.0 (8f833050f847, 186ef91891f5) has
 # 0.28.0's forward; the builders differ from 0.28.0's only in the scheduler-metadata head count and
 # sliding window (the tree step reads neither); same impl, metadata and ops (layout measured per ISA).
-SHAPES_RUNNER = {PREP_FN: frozenset({"f3e46f0e7cbe", "ba4add5eb4f6"}), DRAFT_FN: frozenset({"980d46e41814"})}
+# capture_model: 55ab8f6c8b92 = 0.26.0-0.28.0, 2ce7ba8e930b = 0.25.0 (no capture profiler; same
+# NONE return and capture loop).
+SHAPES_RUNNER = {PREP_FN: frozenset({"f3e46f0e7cbe", "ba4add5eb4f6"}), DRAFT_FN: frozenset({"980d46e41814"}),
+                 CAPTURE_FN: frozenset({"55ab8f6c8b92", "2ce7ba8e930b"})}
 SHAPES_CPU_ATTN = {ATTN_FN: frozenset({"8f833050f847", "53234e594247"}),
                    BUILDER_FN: frozenset({"559ee72beb69", "186ef91891f5", "20942a79089b"})}
 SHAPES_FA = {FA_FN: frozenset({"3b778af91817"})}
@@ -181,6 +206,9 @@ def _shape_is(shapes):
 PREP_SITE = Site(function=PREP_FN, anchor="`self.input_batch.block_table.compute_slot_mapping(...)`",
                  unfixed=_slot_mapping_call, rewrite=insert_statements(_slot_mapping_call, PREP_CODE, after=True),
                  applies=_shape_is(SHAPES_RUNNER))
+CAPTURE_SITE = Site(function=CAPTURE_FN, anchor="`compilation_counter.num_gpu_runner_capture_triggers += 1`",
+                    unfixed=_capture_counter, rewrite=insert_statements(_capture_counter, CAPTURE_CODE, after=True),
+                    applies=_shape_is(SHAPES_RUNNER))
 DRAFT_SITE = Site(function=DRAFT_FN, anchor="`if self.supports_mm_inputs and self.drafter.supports_mm_inputs:`",
                   unfixed=_mm_inputs_if, rewrite=insert_statements(_mm_inputs_if, DRAFT_CODE, after=False),
                   applies=_shape_is(SHAPES_RUNNER))
@@ -197,7 +225,7 @@ V2_SITE = Site(function=V2_INIT_FN, anchor="`self.speculative_config = vllm_conf
                applies=_shape_is(SHAPES_V2))
 
 ON_CPU = ("0.25.0", "0.26.0", "0.27.0", "0.28.0")
-ON_RUNNER = ("0.26.0", "0.28.0")
+ON_RUNNER = ("0.25.0", "0.26.0", "0.28.0")
 ON_FA = ("0.26.0",)
 ON_V2 = ("0.25.0", "0.26.0", "0.27.0", "0.28.0")
 
@@ -217,7 +245,7 @@ PATCH = Patch(
     doc="docs/patches/ddtree-tree-step.md",
     runtime=_runtime,
     files=(
-        PatchFile(path=RUNNER_PY, variants=(Variant("v1", ON_RUNNER, (PREP_SITE, DRAFT_SITE), SHAPES_RUNNER),)),
+        PatchFile(path=RUNNER_PY, variants=(Variant("v1", ON_RUNNER, (PREP_SITE, CAPTURE_SITE, DRAFT_SITE), SHAPES_RUNNER),)),
         PatchFile(path=CPU_ATTN_PY, optional=True,
                   variants=(Variant("cpu-attn-0.28", ON_CPU, (ATTN_SITE,), SHAPES_CPU_ATTN),)),
         PatchFile(path=FLASH_ATTN_PY, optional=True,

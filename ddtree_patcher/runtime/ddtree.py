@@ -238,6 +238,34 @@ def bind_v1(drafter: Any, runner: Any, *, ddtree_abi: int) -> "DDTreeDrafter":
     return dd
 
 
+def fit_query_buffers(drafter: Any, compilation_config: Any) -> int:
+    """Before CUDA graphs are captured (the tree step's ``capture_model`` site): DFlash (V1) sizes
+    its query buffers (``positions``, ``_slot_mapping_buffer``) for ``max_query_tokens = max_num_seqs
+    * (1 + L_eff)`` rows, but its graph dispatch pads a batch to the next capture size, and with
+    DDTree the capture sizes are rounded to multiples of N + 1 for FULL decode graphs (vLLM's
+    ``adjust_cudagraph_sizes_for_spec_decode``), not of L_eff + 1: a full batch (e.g. 32 x 16 = 512
+    query rows) pads to 527 = 31 x 17 and the drafter's forward would read positions and slots
+    past the buffers (RoPE index asserts, KV written to stray slots; measured on the H200). The
+    buffers grow to the smallest capture size that holds ``max_query_tokens`` (zeros past the old
+    rows: position 0, and the padding rows' slots are set by DFlash per step). Returns the rows."""
+    import torch
+
+    if drafter is None or drafter.__dict__.get("ddtree_proposer") is None:
+        return 0
+    max_q = int(getattr(drafter, "max_query_tokens", 0) or 0)
+    sizes = [int(s) for s in (getattr(compilation_config, "cudagraph_capture_sizes", None) or ()) if int(s) >= max_q]
+    need = min(sizes) if sizes and max_q else max_q
+    for name in ("positions", "_slot_mapping_buffer"):
+        buf = drafter.__dict__.get(name)
+        if isinstance(buf, torch.Tensor) and buf.ndim == 1 and buf.shape[0] < need:
+            grown = torch.zeros(need, dtype=buf.dtype, device=buf.device)
+            grown[:buf.shape[0]].copy_(buf)
+            drafter.__dict__[name] = grown
+            logger.info("ddtree-patch: DFlash drafter %s grown from %d to %d rows (graph padding of %d query rows)",
+                        name, buf.shape[0], need, max_q)
+    return need
+
+
 def bind_v2(speculator: Any, *, ddtree_abi: int) -> "DDTreeDrafter":
     """``DFlashSpeculator.__init__`` (V2), right after ``super().__init__``: the base class sized
     ``draft_tokens`` ``[max_num_reqs, N]`` (it holds the node tokens); pin

@@ -335,29 +335,35 @@ class TreeStep:
         k, row = where
         return self._att[k][row, :n]
 
-    def pending_parents(self, req_ids: Sequence[str], num_draft: Sequence[int], width: int):
+    def pending_parents(self, req_ids: Sequence[str], num_draft: Sequence[int], width: int, *,
+                        chain_nodes: Sequence[int] | None = None):
         """Parents of the pending trees of a batch in one device gather: ``(parents, has)`` with
         ``parents`` int64 ``[len(req_ids), width]`` on the device (column j = node j's local
         parent; -1 for the root column, past a request's ``num_draft`` nodes and on rows without
-        a pending tree) and ``has`` a host bool array (row has a tree). Reads no device data on
-        the host; does not consume the trees (the walk does)."""
+        a pending tree) and ``has`` a host bool array (row has a tree). ``chain_nodes`` (per row):
+        rows without a tree get a chain of that many nodes instead (node j's parent j - 1).
+        Reads no device data on the host; does not consume the trees (the walk does)."""
         import numpy as np
         import torch
 
         B = len(req_ids)
         has = np.zeros(B, dtype=bool)
         offsets = np.cumsum([0] + [a.numel() for a in self._att])
-        idx = np.full((B, width), offsets[-1], dtype=np.int64)  # the sentinel (-1) after the parents
+        base = offsets[-1]  # after the parents: -1, 0, 1, ..., width - 2 (the sentinel, then a chain's)
+        idx = np.full((B, width), base, dtype=np.int64)
         for r, (rid, n) in enumerate(zip(req_ids, num_draft)):
             where = self._where.get(rid)
             n = min(int(n), width - 1)
             if where is None or n <= 0:
+                c = min(int(chain_nodes[r]), width - 1) if chain_nodes is not None else 0
+                if c > 0:
+                    idx[r, 1:c + 1] = base + 1 + np.arange(c)
                 continue
             k, row = where
             idx[r, 1:n + 1] = offsets[k] + row * self._att[k].shape[1] + np.arange(n)
             has[r] = True
         flat = [a.reshape(-1).to(torch.int64) for a in self._att]
-        src = torch.cat(flat + [torch.full((1,), -1, dtype=torch.int64, device=self.device)])
+        src = torch.cat(flat + [torch.arange(-1, width - 1, dtype=torch.int64, device=self.device)])
         return src[self.upload(idx)], has
 
     # ---- routing (host) ------------------------------------------------------------------------

@@ -34,11 +34,13 @@ right for that tree:
    (``hidden[root + d] = hidden[root + j_d]``) and the tree rows' positions linear again, so
    DFlash sees the accepted path and its context-KV writes land on distinct slots.
 
-Start-up (:func:`bind`, the runner's first ``_prepare_inputs`` with ``DDTREE_PATCH_ENABLE`` set)
+Start-up (:func:`bind`: at ``capture_model`` through :func:`before_capture` when CUDA graphs are
+captured, else at the runner's first ``_prepare_inputs``, with ``DDTREE_PATCH_ENABLE`` set)
 refuses by name (``DDTreeNotReady``) what the tree step does not cover: another runner than V1,
 an attention backend other than CPU_ATTN / FlashAttention 3 (with this patch's forward site),
-FULL CUDA graphs (they would replay a chain step's attention: PIECEWISE or eager is needed),
-decode context parallelism, sliding window, softcap, ALiBi, sinks, a quantized KV cache,
+FULL CUDA graphs of mixed batches (``cudagraph_mode`` FULL; FULL decode graphs are captured with
+the tree attention on persistent mask buffers, every uniform decode step a tree step: see
+``docs/tree-step.md``), decode context parallelism, sliding window, softcap, ALiBi, sinks, a quantized KV cache,
 non-attention (Mamba/GDN) KV-cache groups, M-RoPE / XD-RoPE, encoder-decoder. Cascade attention
 is switched off (logged). On CUDA every per-step operation is a device operation (no host
 synchronisation; measured on the H200).
@@ -50,9 +52,10 @@ import logging
 import os
 from pathlib import Path
 
-TREE_STEP_ABI = 2  # the call-site <-> runtime contract; bump on any incompatible change
+TREE_STEP_ABI = 3  # the call-site <-> runtime contract; bump on any incompatible change
 # (2: the FlashAttention site moved before the forward's causal call and returns when
-# fa_attention() handled the layer)
+# fa_attention() handled the layer; 3: a capture_model site binds the tree step before CUDA graph
+# capture, for FULL decode graphs)
 ENV_ENABLE = "DDTREE_PATCH_ENABLE"
 ATTR = "ddtree_tree_step"  # on the runner, and on the attention impls of the target layers
 MARK = "# ddtree-patch: ddtree-tree-step"
@@ -143,8 +146,9 @@ def bind(runner, *, tree_step_abi: int) -> "TargetTreeStep":
 
 def refuse_uncovered_config(vllm_config) -> None:
     """Engine-level options the tree step does not cover, refused by name when the DDTree drafter
-    binds (engine start, before any graph capture): FULL CUDA graphs; a KV connector (offloading
-    or transfer: it may save or load a block's KV before the walk's compaction moved it)."""
+    binds (engine start, before any graph capture): FULL CUDA graphs for mixed batches; a KV
+    connector (offloading or transfer: it may save or load a block's KV before the walk's
+    compaction moved it)."""
     refuse_full_cuda_graphs(getattr(vllm_config, "compilation_config", None))
     kvt = getattr(vllm_config, "kv_transfer_config", None)
     if kvt is not None:
@@ -154,17 +158,45 @@ def refuse_uncovered_config(vllm_config) -> None:
 
 
 def refuse_full_cuda_graphs(compilation_config) -> None:
-    """FULL CUDA graphs would replay the chain step's attention (captured without a tree): DDTree
-    needs attention outside the graphs (PIECEWISE, or eager). Called when the DDTree drafter binds
-    (engine start, before any capture) and again when the runner binds the tree step."""
+    """FULL graphs for *mixed* batches (``cudagraph_mode`` FULL) would replay one step's Python
+    decisions (which rows are trees, whether the causal call runs) for every batch of that shape:
+    refused. FULL graphs for uniform decode batches (FULL_AND_PIECEWISE, vLLM's default, and
+    FULL_DECODE_ONLY) are covered on FlashAttention 3 (:meth:`TargetTreeStep.before_capture`).
+    Called when the DDTree drafter binds (engine start, before any capture) and again when the
+    runner binds the tree step."""
     mode = getattr(compilation_config, "cudagraph_mode", None)
-    full = getattr(mode, "has_full_cudagraphs", None)
-    if mode is not None and callable(full) and full():
+    mixed = getattr(mode, "mixed_mode", None)
+    if mode is not None and callable(mixed) and getattr(mixed(), "name", "") == "FULL":
         raise _not_ready(
-            f"CUDA graph mode {getattr(mode, 'name', mode)}: FULL graphs capture the attention of a "
-            "chain step; the tree step runs attention outside the graphs. Start vLLM with "
-            "compilation_config={'cudagraph_mode': 'PIECEWISE'} (`-cc.cudagraph_mode=PIECEWISE`) or "
+            f"CUDA graph mode {getattr(mode, 'name', mode)}: FULL graphs of mixed (prefill + decode) batches "
+            "would replay one step's tree layout for every batch of that size; the tree step covers FULL "
+            "graphs of uniform decode batches. Start vLLM with compilation_config={'cudagraph_mode': "
+            "'FULL_AND_PIECEWISE'} (`-cc.cudagraph_mode=FULL_AND_PIECEWISE`, vLLM's default), PIECEWISE, or "
             "enforce_eager=True")
+
+
+def full_decode_graphs(compilation_config) -> bool:
+    """True when uniform decode batches run in FULL CUDA graphs (FULL_AND_PIECEWISE,
+    FULL_DECODE_ONLY)."""
+    mode = getattr(compilation_config, "cudagraph_mode", None)
+    decode = getattr(mode, "decode_mode", None)
+    return mode is not None and callable(decode) and getattr(decode(), "name", "") == "FULL"
+
+
+def before_capture(runner, *, tree_step_abi: int) -> None:
+    """Called by the ``capture_model`` call site (after its ``cudagraph_mode == NONE`` return)
+    when DDTree is on: the DFlash drafter's query buffers grow to the capture size its batches pad
+    to (``ddtree.fit_query_buffers``), and the tree step binds now (the KV caches exist), before
+    any graph is captured, so that FULL decode graphs capture the tree attention
+    (:meth:`TargetTreeStep.before_capture`)."""
+    check_abi(tree_step_abi)
+    from .ddtree import fit_query_buffers
+
+    fit_query_buffers(getattr(runner, "drafter", None), getattr(runner, "compilation_config", None))
+    step = runner.__dict__.get(ATTR)
+    if step is None:
+        step = bind(runner, tree_step_abi=tree_step_abi)
+    step.before_capture()
 
 
 def _forward_has_site(impl) -> bool:
@@ -201,6 +233,12 @@ class TargetTreeStep:
             refuse_full_cuda_graphs(getattr(runner, "compilation_config", None))
         self._init_state()
         self.groups = self._bind_layers(runner)  # [(gid, [K/V views (nb, bs, H, X)])]
+        self.graph_bufs = None
+        if self.cuda and full_decode_graphs(getattr(runner, "compilation_config", None)):
+            if self.fa_varlen is None:
+                raise _not_ready(f"FULL CUDA graphs for decode batches on {self.backend} (the tree step captures "
+                                 "FlashAttention 3's path only): use PIECEWISE or enforce_eager=True")
+            self._init_graph_buffers(runner)
         self.compactors = None
         if self.cuda:  # one Triton launch per group and step, pointer tables built once here
             from ddtree_patcher.kernels import KVCompactor
@@ -212,8 +250,37 @@ class TargetTreeStep:
                            "non-cascade attention path)")
         self.hook.post_walk = self.after_walk
         logger.warning("ddtree-patch: tree-shaped target step active (V1 %s, %d target layers in %d KV-cache "
-                       "group(s), %s tree attention, KV compaction after the walk)",
-                       type(runner).__name__, self.num_layers, len(self.groups), self.backend)
+                       "group(s), %s tree attention, KV compaction after the walk%s)",
+                       type(runner).__name__, self.num_layers, len(self.groups), self.backend,
+                       ", FULL decode CUDA graphs: every uniform decode step is a tree step" if self.graph_bufs
+                       else "")
+
+    def _init_graph_buffers(self, runner) -> None:
+        """FULL decode graphs replay the tree attention at captured addresses: the ancestor bit
+        rows and the request mask live in buffers made here, written in place by :meth:`prepare`
+        in every uniform decode step (vLLM's FULL-graph batches: every request ``1 + N`` rows).
+        Rows start as chains with every request on (causal attention: what the warm-up and
+        capture runs compute)."""
+        import torch
+
+        from ddtree_patcher.kernels import ancestor_rows
+
+        Q = int(getattr(runner, "uniform_decode_query_len", 0) or 0)
+        if Q < 2:
+            raise _not_ready(f"uniform decode query length {Q} (no speculative tokens)")
+        cap = getattr(runner.compilation_config, "max_cudagraph_capture_size", None) or 0
+        rows = max(int(getattr(runner, "max_num_reqs", 0) or 0), int(cap))
+        chain = torch.arange(-1, Q - 1, dtype=torch.int64, device=self.device).expand(rows, Q).contiguous()
+        anc, _ = ancestor_rows(chain)
+        self.graph_bufs = (anc, torch.ones(rows, dtype=torch.bool, device=self.device), Q)
+
+    def before_capture(self) -> None:
+        """``capture_model`` is about to warm up and capture: until the first real step
+        (:meth:`prepare`), FlashAttention forwards of uniform decode shape take the graph path
+        (context pass + merge on the persistent buffers; no Python decision that a replay could
+        not repeat)."""
+        if self.graph_bufs is not None:
+            self.capturing = True
 
     @property
     def cuda(self) -> bool:
@@ -224,6 +291,8 @@ class TargetTreeStep:
         self.fa_varlen = None  # FlashAttention's flash_attn_varlen_func (the forward's own), FA3 path
         self.fa_step = None  # (context lengths, scratch, merge dims): made by the step's first FA3 layer
         self.all_tree = False  # every request of the step is a tree request with exactly its tree's rows
+        self.graph_step = False  # this step's tree metadata is in graph_bufs (a uniform decode step)
+        self.capturing = False  # between before_capture() and the first prepare()
         self.backend = None  # "CPU_ATTN" | "FLASH_ATTN (FA3)"
         self.num_layers = 0
         self.root_ext = None  # int64 [B + 1]: each request's root row (then T): the compaction's row base
@@ -244,6 +313,7 @@ class TargetTreeStep:
         self.moves = None  # (src rows, dst rows) of the accepted path, after the walk
         # counters (host)
         self.tree_steps = 0  # steps with at least one tree request
+        self.graph_steps = 0  # uniform decode steps prepared for FULL decode graphs (trees or chains)
         self.tree_requests = 0  # requests scored as trees
         self.attention_calls = 0  # layer forwards that ran the tree attention
         self.compactions = 0  # steps whose accepted paths were compacted
@@ -349,12 +419,24 @@ class TargetTreeStep:
     def prepare(self, runner, scheduler_output, num_reqs: int, num_scheduled_tokens, total_tokens: int) -> None:
         """After ``compute_slot_mapping``: positions of tree rows become ``ctx + depth``."""
         self.active = False
+        self.capturing = False
+        self.graph_step = False
         self.moves = None
         self.node_rows = None
         B = int(num_reqs)
         req_ids = runner.input_batch.req_ids[:B]
         spec = scheduler_output.scheduled_spec_decode_tokens
         nd = [len(spec.get(rid, ())) for rid in req_ids]
+        if self.graph_bufs is not None:
+            Q = self.graph_bufs[2]
+            if B and all(int(n) == Q for n in num_scheduled_tokens[:B]):
+                # a uniform decode batch: vLLM may replay a FULL graph captured with the tree path, so
+                # every request is scored with a mask: its tree, or a chain (requests vLLM's chain
+                # sampler verifies; a prefill chunk of exactly Q tokens): causal attention
+                parents, has = self.hook.pending_parents(req_ids, nd, Q, chain_nodes=[Q - 1] * B)
+                self.set_plan_parents(B, int(total_tokens), num_scheduled_tokens, [Q - 1] * B, parents,
+                                      runner.positions, trees=int(has.sum()), graph=True)
+                return
         if not any(n and self.hook.pending_tree(rid, n) is not None for rid, n in zip(req_ids, nd)):
             return
         W = max(nd) + 1
@@ -377,11 +459,15 @@ class TargetTreeStep:
             par[r, 1:n + 1] = p[:n].to(torch.int64)
         self.set_plan_parents(B, T, num_scheduled_tokens, nd, par, positions)
 
-    def set_plan_parents(self, B: int, T: int, num_scheduled_tokens, num_nodes, parents, positions=None) -> None:
+    def set_plan_parents(self, B: int, T: int, num_scheduled_tokens, num_nodes, parents, positions=None, *,
+                         trees: int | None = None, graph: bool = False) -> None:
         """The step's tree metadata: ``num_nodes`` (host, per batch row; 0 = no tree) and
         ``parents`` int64 ``[B, W]`` on the device (local parent of node j, -1 for the root and
         rows without a tree). Ancestor bit rows and depths in one launch on CUDA
-        (``kernels.ancestor_rows``); ``positions`` get ``ctx + depth`` at the tree rows, in place."""
+        (``kernels.ancestor_rows``); ``positions`` get ``ctx + depth`` at the tree rows, in place.
+        ``trees``: how many rows carry a drafted tree (counters; default: rows with nodes).
+        ``graph``: a uniform decode step under FULL decode graphs: the bit rows and the request
+        mask are written into ``graph_bufs`` (every row after B off)."""
         import numpy as np
         import torch
 
@@ -390,7 +476,12 @@ class TargetTreeStep:
         nd = np.asarray(num_nodes, dtype=np.int64)
         root_np = qe - 1 - nd  # the root's query row (a verify request: its first row)
         W = int(parents.shape[1])
-        if self.cuda:
+        if graph:
+            from ddtree_patcher.kernels import ancestor_rows
+
+            anc_buf = self.graph_bufs[0]
+            self.ancestor_mask, depth = ancestor_rows(parents, out=anc_buf[:B])
+        elif self.cuda:
             from ddtree_patcher.kernels import ancestor_rows
 
             self.ancestor_mask, depth = ancestor_rows(parents)
@@ -410,20 +501,34 @@ class TargetTreeStep:
         node_rows_np = root_np[node_r] + node_j
         from .hook import upload_many
 
+        if graph:  # the request mask of every buffer row: on for the B requests, off after them
+            req_buf = self.graph_bufs[1]
+            nd_rows = np.zeros(req_buf.shape[0], dtype=np.int64)
+            nd_rows[:B] = nd
+        else:
+            nd_rows = nd
         (self.node_rows, self.node_root, self.node_index, self.root_rows, self.root_ext, self.tree_rows, flat,
          num_nodes) = upload_many(self.device, [node_rows_np, root_np[node_r], node_j, root_np, np.append(root_np, int(T)),
-                                                np.concatenate([root_np[tree_req], node_rows_np]), node_r * W + node_j, nd])
-        self.req_mask = num_nodes > 0  # one transfer for the step's index arrays (above), no second one
+                                                np.concatenate([root_np[tree_req], node_rows_np]), node_r * W + node_j,
+                                                nd_rows])
+        if graph:
+            torch.gt(num_nodes, 0, out=req_buf)
+            self.req_mask = req_buf[:B]
+        else:
+            self.req_mask = num_nodes > 0  # one transfer for the step's index arrays (above), no second one
         if positions is not None:
             positions.index_copy_(0, self.node_rows,
                                   positions[self.node_root] + depth.reshape(-1)[flat].to(positions.dtype))
         self.depth = depth
         self.fa_step = None
         self.all_tree = bool(tree_req.all() and (nsched == nd + 1).all())
+        self.graph_step = graph
+        self.graph_steps += int(graph)
         self.B, self.T, self.W = B, int(T), W
         self.active = True
-        self.tree_steps += 1
-        self.tree_requests += int(tree_req.sum())
+        trees = int(tree_req.sum()) if trees is None else int(trees)
+        self.tree_steps += int(trees > 0)
+        self.tree_requests += trees
 
     # ---- 2. the attention backend's forward: ancestor-only attention --------------------------
     def attention(self, impl, query, key_cache, value_cache, attn_metadata, output) -> None:
@@ -455,8 +560,21 @@ class TargetTreeStep:
         a tree request (prefill, chain-verified), the causal call first, for all rows, with the
         arguments the forward passes for the configurations DDTree admits (no sliding window,
         softcap, ALiBi, sinks, quantized KV, DCP, cascade: refused or switched off at bind); then
-        :meth:`_fa_attention` for the tree requests' rows. Device work only (no host sync)."""
-        if not self.active or md is None or self.fa_varlen is None:
+        :meth:`_fa_attention` for the tree requests' rows. Device work only (no host sync).
+
+        Under FULL decode graphs a uniform decode step (and, from :meth:`before_capture` to the
+        first step, every forward of that shape: the warm-up and the capture) takes the graph
+        path: no causal call, every request masked (:meth:`prepare` wrote chains where there is no
+        tree), the masks read from the persistent buffers, the batch size from the metadata (a
+        replay's padded requests are masked off)."""
+        if md is None or self.fa_varlen is None:
+            return False
+        if self.capturing:
+            if md.max_query_len != self.graph_bufs[2]:  # not a uniform decode shape: vLLM's path
+                return False
+            self._fa_attention(impl, query, key_cache, value_cache, md, output, graph=True)
+            return True
+        if not self.active:
             return False
         if not self.all_tree:
             T = int(md.num_actual_tokens)
@@ -465,42 +583,50 @@ class TargetTreeStep:
                            softmax_scale=impl.scale, causal=True, block_table=md.block_table,
                            scheduler_metadata=md.scheduler_metadata, num_splits=md.max_num_splits,
                            fa_version=impl.vllm_flash_attn_version)
-        self._fa_attention(impl, query, key_cache, value_cache, md, output)
+        self._fa_attention(impl, query, key_cache, value_cache, md, output, graph=self.graph_step)
         return True
 
-    def _fa_attention(self, impl, query, key_cache, value_cache, md, output) -> None:
+    def _fa_attention(self, impl, query, key_cache, value_cache, md, output, graph=False) -> None:
         """The tree requests' rows: FA3 over the context only (``causal=False``, ``seqused_k =
         ctx``, ``return_softmax_lse``) into a scratch buffer, then ``tree_attention_merge``
         (Triton) adds the tree keys with the ancestor bitmask to that softmax state and writes
         those rows of ``output``; other rows are left as they are. The context lengths, the
         scratch and the merge's checked dimensions are made by the step's first layer (every
-        target layer has the same metadata and KV shape)."""
+        target layer of a KV-cache group gets the same metadata object and KV shape; a new metadata
+        object is a new step). ``graph``: the masks are the persistent buffers' first B rows, B the
+        metadata's (padded) request count; everything else is computed on the device from vLLM's
+        persistent metadata buffers, so a captured graph replays it right. The context pass passes
+        the metadata's ``max_num_splits`` (vLLM's split bound for graphs; 0 = FA3's heuristic)."""
         import torch
 
         from ddtree_patcher.kernels import tree_attention_dims, tree_attention_merge
 
-        B = self.B
         T = int(md.num_actual_tokens)
         H, D = impl.num_heads, impl.head_size
         qsl = md.query_start_loc
         q = query[:T].view(T, H, D)
         st = self.fa_step
-        if st is None or st[1].shape != q.shape or st[1].dtype != q.dtype:
+        if st is None or st[0] is not md or st[2].shape != q.shape or st[2].dtype != q.dtype:
+            if graph:
+                B = int(md.seq_lens.shape[0])
+                anc, req = self.graph_bufs[0][:B], self.graph_bufs[1][:B]
+            else:
+                B, anc, req = self.B, self.ancestor_mask, self.req_mask
             ctx = md.seq_lens[:B] - (qsl[1:B + 1] - qsl[:B])
-            ctx = torch.where(self.req_mask, ctx, torch.zeros_like(ctx))  # other requests: no context pass
-            dims = tree_attention_dims(q, key_cache, value_cache, md.block_table, qsl, ctx, self.ancestor_mask,
-                                       num_reqs=B, request_mask=self.req_mask)
-            st = self.fa_step = (ctx, torch.empty_like(q), dims, key_cache.shape, key_cache.stride())
-        ctx, scratch, dims, kshape, kstride = st
+            ctx = torch.where(req, ctx, torch.zeros_like(ctx))  # other requests: no context pass
+            dims = tree_attention_dims(q, key_cache, value_cache, md.block_table, qsl, ctx, anc,
+                                       num_reqs=B, request_mask=req)
+            st = self.fa_step = (md, ctx, torch.empty_like(q), dims, key_cache.shape, key_cache.stride(), B, anc, req)
+        _, ctx, scratch, dims, kshape, kstride, B, anc, req = st
         _, lse = self.fa_varlen(
             q=q, k=key_cache, v=value_cache, out=scratch, cu_seqlens_q=qsl[:B + 1],
             max_seqlen_q=md.max_query_len, seqused_k=ctx, max_seqlen_k=md.max_seq_len,
             softmax_scale=impl.scale, causal=False, block_table=md.block_table,
-            return_softmax_lse=True, fa_version=3)
+            return_softmax_lse=True, num_splits=getattr(md, "max_num_splits", 0) or 0, fa_version=3)
         o = output[:T].view(T, H, D)
         same = key_cache.shape == kshape and key_cache.stride() == kstride  # the checked layout
-        tree_attention_merge(q, key_cache, value_cache, md.block_table, qsl, ctx, self.ancestor_mask,
-                             impl.scale, scratch, lse, out=o, request_mask=self.req_mask, num_reqs=B,
+        tree_attention_merge(q, key_cache, value_cache, md.block_table, qsl, ctx, anc,
+                             impl.scale, scratch, lse, out=o, request_mask=req, num_reqs=B,
                              dims=dims if same else None)
         self.attention_calls += 1
 
@@ -589,7 +715,7 @@ class TargetTreeStep:
             for a, n in enumerate(c[1:]):
                 if n:
                     self.accepted_depths[a] = self.accepted_depths.get(a, 0) + n
-        return {"tree_steps": self.tree_steps, "tree_requests": self.tree_requests,
+        return {"tree_steps": self.tree_steps, "tree_requests": self.tree_requests, "graph_steps": self.graph_steps,
                 "attention_calls": self.attention_calls, "compactions": self.compactions,
                 "moved_rows": self.moved_rows,
                 "accepted_depths": dict(sorted(self.accepted_depths.items()))}

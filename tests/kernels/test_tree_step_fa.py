@@ -86,10 +86,11 @@ def layer(st, md, impl, g, T, pad=2):
 
 def expected(st, md, q, k, v, ctx, tree_reqs):
     ctx_t = torch.tensor(ctx, dtype=torch.int32)
-    tree, _ = tree_attention_ref(q, k, v, md.block_table, md.query_start_loc, ctx_t, st.ancestor_mask, SCALE,
+    qsl_t = md.query_start_loc[:len(ctx) + 1]  # (a padded batch's metadata has more requests)
+    tree, _ = tree_attention_ref(q, k, v, md.block_table, qsl_t, ctx_t, st.ancestor_mask, SCALE,
                                  request_mask=st.req_mask, num_reqs=len(ctx))
-    causal = causal_attention_ref(q, k, v, md.block_table, md.query_start_loc, ctx_t, SCALE)
-    qsl = md.query_start_loc.tolist()
+    causal = causal_attention_ref(q, k, v, md.block_table, qsl_t, ctx_t, SCALE)
+    qsl = qsl_t.tolist()
     exp = causal.clone()
     for r in tree_reqs:
         exp[qsl[r]:qsl[r + 1]] = tree[qsl[r]:qsl[r + 1]]
@@ -139,3 +140,101 @@ def test_not_a_tree_step_leaves_the_forward_alone(why):
     assert st.fa_attention(impl, torch.randn(3, HQ, D), torch.zeros(NB, BS, HKV, D), torch.zeros(NB, BS, HKV, D),
                            md, out) is False
     assert calls == [] and not out.any()
+
+
+# ---- FULL decode CUDA graphs (tree-step ABI 3): the graph path ----------------------------------
+Q = 5  # uniform decode query length: 1 + N, N = 4
+
+
+def graph_step(seed, rows=4):
+    """A tree step with FULL-decode-graph buffers, as ``_init_graph_buffers`` makes them: chain bit
+    rows, every request on."""
+    from ddtree_patcher.kernels import ancestor_rows
+
+    calls = []
+    st = TS.TargetTreeStep.__new__(TS.TargetTreeStep)
+    st._init_state()
+    st.device = torch.device("cpu")
+    st.fa_varlen = fa_emulation(calls)
+    chain = torch.arange(-1, Q - 1, dtype=torch.int64).expand(rows, Q).contiguous()
+    st.graph_bufs = (ancestor_rows(chain)[0], torch.ones(rows, dtype=torch.bool), Q)
+    return st, calls, torch.Generator().manual_seed(seed)
+
+
+def padded_md(g, ctx, pad_reqs):
+    """Uniform decode metadata as a FULL-graph replay sees it: ``len(ctx)`` requests of Q rows,
+    then ``pad_reqs`` padded requests (no rows, sequence length 0, the null block)."""
+    B = len(ctx)
+    seq = [c + Q for c in ctx] + [0] * pad_reqs
+    need = [(s + BS - 1) // BS for s in seq[:B]]
+    blocks = torch.randperm(NB - 1, generator=g) + 1  # block 0: the null block of the padded rows
+    bt = torch.zeros(B + pad_reqs, max(need), dtype=torch.int32)
+    at = 0
+    for r, k in enumerate(need):
+        bt[r, :k] = blocks[at:at + k]
+        at += k
+    qsl = torch.tensor([Q * min(r, B) for r in range(B + pad_reqs + 1)], dtype=torch.int32)
+    return types.SimpleNamespace(num_actual_tokens=Q * B, query_start_loc=qsl,
+                                 seq_lens=torch.tensor(seq, dtype=torch.int32), max_query_len=Q,
+                                 max_seq_len=max(seq), block_table=bt, scheduler_metadata=None, max_num_splits=32)
+
+
+def test_uniform_decode_step_under_full_graphs_masks_every_request():
+    """A uniform decode step under FULL decode graphs: request 0 has a tree, request 1 is verified
+    by vLLM's chain sampler (a chain mask: causal attention), one padded request in the metadata
+    (a replay's padding): one context pass, no causal call; the masks are the buffers' rows and
+    every buffer row after the batch is off."""
+    st, calls, g = graph_step(4)
+    ctx = [6, 9]
+    parents = torch.tensor([[-1, 0, 0, 1, 1], [-1, 0, 1, 2, 3]])
+    st.set_plan_parents(2, 2 * Q, [Q, Q], [Q - 1, Q - 1], parents, None, trees=1, graph=True)
+    assert st.all_tree and st.graph_step and st.tree_requests == 1 and st.tree_steps == 1
+    anc, req, _ = st.graph_bufs
+    assert st.ancestor_mask.data_ptr() == anc.data_ptr() and req.tolist() == [True, True, False, False]
+    md = padded_md(g, ctx, pad_reqs=1)
+    T = 2 * Q
+    impl = types.SimpleNamespace(num_heads=HQ, head_size=D, scale=SCALE, vllm_flash_attn_version=3)
+    for n_layer in range(2):
+        done, q, k, v, out = layer(st, md, impl, g, T, pad=3)
+        assert done and calls == ["context"] * (n_layer + 1), calls
+        torch.testing.assert_close(out[:T], expected(st, md, q, k, v, ctx, [0]), atol=2e-4, rtol=2e-4)
+        assert torch.isnan(out[T:]).all()  # rows of no request (the padded ones) untouched
+
+
+def test_capture_runs_the_graph_path_and_writes_no_buffer():
+    """From before_capture() to the first step: forwards of uniform decode shape take the graph
+    path with the buffers as they are (chains, every request on: causal attention), read only
+    (a write would be captured and replayed over prepare's); other shapes: vLLM's own path."""
+    st, calls, g = graph_step(5)
+    st.before_capture()
+    assert st.capturing and not st.active
+    anc0, req0 = st.graph_bufs[0].clone(), st.graph_bufs[1].clone()
+    ctx = [3, 0, 7]
+    md = padded_md(g, ctx, pad_reqs=0)
+    impl = types.SimpleNamespace(num_heads=HQ, head_size=D, scale=SCALE, vllm_flash_attn_version=3)
+    done, q, k, v, out = layer(st, md, impl, g, 3 * Q)
+    assert done and calls == ["context"]
+    exp = causal_attention_ref(q, k, v, md.block_table, md.query_start_loc, torch.tensor(ctx, dtype=torch.int32), SCALE)
+    torch.testing.assert_close(out[:3 * Q], exp, atol=2e-4, rtol=2e-4)
+    assert torch.equal(st.graph_bufs[0], anc0) and torch.equal(st.graph_bufs[1], req0)
+    md.max_query_len = Q + 1  # not the uniform decode shape
+    assert st.fa_attention(impl, q, k, v, md, out) is False and calls == ["context"]
+
+
+def test_pending_parents_masks_rows_without_a_tree_as_chains():
+    """``hook.pending_parents(..., chain_nodes=...)`` (what ``prepare`` asks in a uniform decode
+    step under FULL graphs): rows with a pending tree get its parents, rows without one (chain-
+    verified requests, prefill chunks) a chain of ``chain_nodes`` nodes; without ``chain_nodes``
+    they stay unlinked (-1)."""
+    from ddtree_patcher.runtime import hook
+
+    h = hook.TreeStep.__new__(hook.TreeStep)
+    h.device = torch.device("cpu")
+    h._att = [torch.tensor([[0, 0, 1, 2], [0, 1, 1, 0]], dtype=torch.int32)]
+    h._where = {"a": (0, 0), "c": (0, 1)}
+    ids, nd = ["a", "b", "c", "d"], [4, 0, 3, 4]
+    par, has = h.pending_parents(ids, nd, 5, chain_nodes=[4, 4, 4, 2])
+    assert has.tolist() == [True, False, True, False]
+    assert par.tolist() == [[-1, 0, 0, 1, 2], [-1, 0, 1, 2, 3], [-1, 0, 1, 1, -1], [-1, 0, 1, -1, -1]]
+    par, has = h.pending_parents(ids, nd, 5)
+    assert par.tolist()[1] == [-1] * 5 and par.tolist()[3] == [-1] * 5 and has.tolist() == [True, False, True, False]

@@ -364,7 +364,8 @@ def probes(tmp_path_factory):
 V1_PROBES = ("v1_tree_tokens_and_channel", "v1_stale_trees_detached", "v1_budget_below_depth",
              "v1_chain_budget_reproduces_dflash")
 CPU_PROBES = ("config_refusal_is_named", "config_budget_and_conflicts_are_named", "config_sized_for_the_budget",
-              "v1_real_drafter_is_bound_and_pinned", "v1_full_cuda_graphs_and_kv_connectors_are_refused_at_bind",
+              "v1_real_drafter_is_bound_and_pinned", "v1_query_buffers_grow_to_the_padded_capture_size",
+              "v1_full_cuda_graphs_of_mixed_batches_and_kv_connectors_are_refused_at_bind",
               "worker_env_must_agree_with_the_config", *V1_PROBES,
               "v1_runner_k_must_be_the_budget", "v2_real_speculator_tree_tokens_and_channel",
               "v2_chain_budget_reproduces_dflash")

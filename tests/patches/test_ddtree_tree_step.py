@@ -107,13 +107,13 @@ def test_apply_verify_revert_is_byte_exact(make_site, cli):
     rc, doc, err = cli("apply", "--vllm-path", str(site), "--json")  # the whole series
     assert rc == 0 and doc["changed"] and statuses(doc)[ID] == "applied", err
     patched = tree_bytes(site)
-    for rel, n_marked in ((P.RUNNER_PY, 12 + 3), (P.CPU_ATTN_PY, 3), (P.RUNNER_V2_PY, 6),
+    for rel, n_marked in ((P.RUNNER_PY, 12 + 6 + 3), (P.CPU_ATTN_PY, 3), (P.RUNNER_V2_PY, 6),
                           (P.FLASH_ATTN_PY, 0)):
         compile(patched[rel], rel, "exec", dont_inherit=True)
         added = added_lines(pristine[rel], patched[rel])
         marked = [line for line in added if MARK in line]
         assert len(marked) == n_marked, (rel, marked)
-    assert patched[P.RUNNER_PY].count(f"tree_step_abi={tree_step.TREE_STEP_ABI})".encode()) == 1
+    assert patched[P.RUNNER_PY].count(f"tree_step_abi={tree_step.TREE_STEP_ABI})".encode()) == 2  # bind, capture
     rc, doc, err = cli("verify", "--vllm-path", str(site), "--json")
     assert rc == 0 and statuses(doc)[ID] == "applied", err
     rc, doc, err = cli("revert", "--vllm-path", str(site), "--patch", ID, "--json")
@@ -136,7 +136,7 @@ def test_fa3_site_on_the_0_26_shape(make_site, cli):
     rc, doc, err = cli("apply", "--vllm-path", str(site), "--json")
     assert rc == 0 and statuses(doc)[ID] == "applied", err
     patched = tree_bytes(site)
-    for rel, n_marked in ((P.RUNNER_PY, 12 + 3), (P.FLASH_ATTN_PY, 3), (P.RUNNER_V2_PY, 6), (P.CPU_ATTN_PY, 3)):
+    for rel, n_marked in ((P.RUNNER_PY, 12 + 6 + 3), (P.FLASH_ATTN_PY, 3), (P.RUNNER_V2_PY, 6), (P.CPU_ATTN_PY, 3)):
         compile(patched[rel], rel, "exec", dont_inherit=True)
         marked = [line for line in added_lines(pristine[rel], patched[rel]) if MARK in line]
         assert len(marked) == n_marked, (rel, marked)

@@ -454,27 +454,48 @@ def cpu_checks():
         off, _ = make_v1(3, None, params(1, 0))
         assert off.ddtree_proposer is None and off.num_speculative_tokens == 3
 
-    @check("v1_full_cuda_graphs_and_kv_connectors_are_refused_at_bind")
+    @check("v1_query_buffers_grow_to_the_padded_capture_size")
+    def _():
+        # FULL decode graphs round the capture sizes to multiples of N + 1 (9 here), DFlash sizes its
+        # query buffers for max_num_seqs * (1 + L_eff) rows (4 per request): a full batch pads past
+        # them; fit_query_buffers (the tree step's capture_model site) grows them, zeros after
+        d, _ = make_v1(3, 8, params(1, 0))
+        max_q = d.max_query_tokens
+        need = -(-max_q // 9) * 9
+        assert need > max_q and d.positions.shape[0] == max_q, (max_q, d.positions.shape)
+        d.positions[:max_q] = torch.arange(max_q)
+        cc = SimpleNamespace(cudagraph_capture_sizes=[9, 18, need, need + 9])
+        assert ddtree.fit_query_buffers(d, cc) == need
+        for name in ("positions", "_slot_mapping_buffer"):
+            assert getattr(d, name).shape[0] == need, name
+        assert d.positions[:max_q].tolist() == list(range(max_q)) and not d.positions[max_q:].any()
+        assert ddtree.fit_query_buffers(d, SimpleNamespace(cudagraph_capture_sizes=[])) == max_q  # no padding
+        off, _ = make_v1(3, None, params(1, 0))  # DDTree off: DFlash's own buffers, untouched
+        rows = off.positions.shape[0]
+        assert ddtree.fit_query_buffers(off, cc) == 0 and off.positions.shape[0] == rows
+
+    @check("v1_full_cuda_graphs_of_mixed_batches_and_kv_connectors_are_refused_at_bind")
     def _():
         import copy
 
         from vllm.config import CUDAGraphMode, set_current_vllm_config
 
-        # (FULL and FULL_DECODE_ONLY: the modes with FULL graphs that this eager CPU config can hold;
-        # FULL_AND_PIECEWISE, vLLM's GPU default, also needs VLLM_COMPILE splitting, which the base
-        # proposer asserts before our site; has_full_cudagraphs() is True for all three)
+        # FULL (graphs of mixed batches too) is refused; FULL_DECODE_ONLY (FULL graphs of uniform
+        # decode batches, which the tree step captures on FA3) binds. (FULL_AND_PIECEWISE, vLLM's
+        # GPU default, also needs VLLM_COMPILE splitting, which the base proposer asserts before our
+        # site; its decode mode is FULL and its mixed mode PIECEWISE, like FULL_DECODE_ONLY's NONE)
         cfg = copy.deepcopy(config_for(8))
         runner = FakeRunnerV1(params(1, 0), 8)
-        assert CUDAGraphMode.FULL_AND_PIECEWISE.has_full_cudagraphs()
-        for mode in (CUDAGraphMode.FULL, CUDAGraphMode.FULL_DECODE_ONLY):
+        assert CUDAGraphMode.FULL_AND_PIECEWISE.mixed_mode() == CUDAGraphMode.PIECEWISE
+        cfg.compilation_config.cudagraph_mode = CUDAGraphMode.FULL
+        with set_current_vllm_config(cfg):
+            msg = expect_error(ddtree.DDTreeNotReady, "FULL graphs of mixed (prefill + decode) batches",
+                               lambda: DFlashProposer(cfg, torch.device("cpu"), runner))
+        assert "cudagraph_mode': 'FULL_AND_PIECEWISE'" in msg and "mode FULL:" in msg, msg
+        for mode in (CUDAGraphMode.FULL_DECODE_ONLY, CUDAGraphMode.NONE):
             cfg.compilation_config.cudagraph_mode = mode
             with set_current_vllm_config(cfg):
-                msg = expect_error(ddtree.DDTreeNotReady, "FULL graphs capture the attention of a chain step",
-                                   lambda: DFlashProposer(cfg, torch.device("cpu"), runner))
-            assert "cudagraph_mode': 'PIECEWISE'" in msg and mode.name in msg, msg
-        cfg.compilation_config.cudagraph_mode = CUDAGraphMode.NONE
-        with set_current_vllm_config(cfg):
-            assert DFlashProposer(cfg, torch.device("cpu"), runner).ddtree_proposer.budget == 8
+                assert DFlashProposer(cfg, torch.device("cpu"), runner).ddtree_proposer.budget == 8
         # a KV connector (offloading / transfer) is refused the same way
         from vllm.config import KVTransferConfig
 
