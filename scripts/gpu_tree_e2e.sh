@@ -14,7 +14,12 @@
 # stage2 prints a table and "TREE-E2E ok" or "TREE-E2E FAIL <what>"; $OUT/tree_e2e.json, $OUT/*.log.
 # ONLY="nospec dd-eager" limits the engines; BUDGET (s, default 420) bounds the engines' time.
 # nospec-mix / dd-mix: the CPU e2e test's mixed scenario (prefix caching, chunked prefill, joins,
-# requests vLLM's chain sampler verifies in tree steps, preemption), PIECEWISE.
+# requests vLLM's chain sampler verifies in tree steps, preemption), PIECEWISE. *-fg: the same with
+# FULL_AND_PIECEWISE (vLLM's default: FULL graphs for uniform decode batches; tree-step ABI 3), each
+# against the no-spec engine of its own mode; "gstep" counts the uniform decode steps prepared for
+# those graphs (attn counts eager layer calls only: a FULL replay runs no Python). dd-fg-pad: one
+# capture size, 72 = 8 requests x 9 rows: every decode batch of the 6 prompts is padded (padded
+# requests in the target's FULL graph; the drafter's 24 query rows pad to 72, past its 32-row buffers).
 set -u
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 O=${OUT:-/tmp/out}; mkdir -p "$O"
@@ -32,7 +37,12 @@ ENGINES=("nospec        SPEC=0 EAGER=1 LOGPROBS=2"
          "dd-pw         SPEC=1 EAGER=0 CG_MODE=PIECEWISE DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1"
          "ctl-nocompact SPEC=1 EAGER=1 DDTREE_PATCH_ENABLE=1 CONTROL=no-compaction"
          "nospec-mix    SPEC=0 EAGER=0 CG_MODE=PIECEWISE LOGPROBS=2 $MIX"
-         "dd-mix        SPEC=1 EAGER=0 CG_MODE=PIECEWISE DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1 $MIX")
+         "dd-mix        SPEC=1 EAGER=0 CG_MODE=PIECEWISE DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1 $MIX"
+         "nospec-fg     SPEC=0 EAGER=0 CG_MODE=FULL_AND_PIECEWISE LOGPROBS=2"
+         "dd-fg         SPEC=1 EAGER=0 CG_MODE=FULL_AND_PIECEWISE DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1"
+         "nospec-mix-fg SPEC=0 EAGER=0 CG_MODE=FULL_AND_PIECEWISE LOGPROBS=2 $MIX"
+         "dd-mix-fg     SPEC=1 EAGER=0 CG_MODE=FULL_AND_PIECEWISE DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1 $MIX"
+         "dd-fg-pad     SPEC=1 EAGER=0 CG_MODE=FULL_AND_PIECEWISE CG_SIZES=72 DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1")
 
 . "$REPO/scripts/_gpu_bundle.sh"
 
@@ -84,21 +94,25 @@ def compare(r, ref):
         out.append((k, round(lp[0][1] - lp[1][1], 3), len(lp) > 1 and lp[1][0] == b[k]))
     return out
 
-print(f"{'engine':<14} {'ok':<5} {'vs':<10} {'identical':<9} {'start s':<8} {'gen s':<7} {'hook':<5} {'tree':<5} "
-      f"{'attn':<5} {'moved':<6} {'syncs ours/vLLM':<15} accepted lengths / divergences (pos, ref margin, runner-up)")
+print(f"{'engine':<14} {'ok':<5} {'vs':<13} {'identical':<9} {'start s':<8} {'gen s':<7} {'hook':<5} {'tree':<5} "
+      f"{'gstep':<5} {'attn':<5} {'moved':<6} {'syncs ours/vLLM':<15} accepted lengths / divergences (pos, ref margin, runner-up)")
 bad, summary = [], {}
 for tag, r in res.items():
-    ref_tag = ("nospec-mix" if tag.endswith("-mix") else
+    ref_tag = ("nospec-mix-fg" if tag.endswith("-mix-fg") else "nospec-fg" if tag.endswith(("-fg", "-fg-pad")) else
+               "nospec-mix" if tag.endswith("-mix") else
                "nospec-pw" if tag.endswith("-pw") and tag != "nospec-pw" else ("nospec" if tag != "nospec" else "nospec-pw"))
+    if tag.startswith("nospec-") and tag.endswith("-fg"):
+        ref_tag = "nospec-mix" if "mix" in tag else "nospec-pw"  # the graph modes agree without speculation
     ref = res.get(ref_tag)
     ts = (r.get("tree_step") or [{}])[0]
     hk = (r.get("hook") or [{}])[0] if isinstance(r.get("hook"), list) else {}
     cmp = compare(r, ref) if r.get("ok") and ref and ref.get("ok") and ref.get("logprobs") else None
     ident = None if cmp is None else sum(c is None for c in cmp)
     summary[tag] = dict(vs=ref_tag, identical=ident, divergences=cmp)
-    print(f"{tag:<14} {str(r.get('ok')):<5} {ref_tag:<10} {f'{ident}/{len(cmp)}' if cmp else '-':<9} "
+    print(f"{tag:<14} {str(r.get('ok')):<5} {ref_tag:<13} {f'{ident}/{len(cmp)}' if cmp else '-':<9} "
           f"{str(r.get('engine_start_s')):<8} {str(r.get('generate_s')):<7} {str(hk.get('engaged_steps')):<5} "
-          f"{str(ts.get('tree_steps')):<5} {str(ts.get('attention_calls')):<5} {str(ts.get('moved_rows')):<6} "
+          f"{str(ts.get('tree_steps')):<5} {str(ts.get('graph_steps')):<5} {str(ts.get('attention_calls')):<5} "
+          f"{str(ts.get('moved_rows')):<6} "
           f"{(str(r['sync']['ours']) + '/' + str(r['sync']['vllm'])) if r.get('sync') else '-':<15} "
           f"{ts.get('accepted_depths') or ''} {[c for c in cmp if c] if cmp else ''}")
     if r.get("error"):
@@ -107,8 +121,9 @@ for tag, r in res.items():
         bad.append(tag); continue
     if tag.startswith("dd-"):  # trees walked, moved, and every divergence a near-tie resolved to the runner-up
         near = all(c is None or (c[1] < TIE and c[2]) for c in (cmp or [None]))
-        chain_ok = hk.get("chain_steps") == 0 or tag == "dd-mix"  # mixed: chain-routed requests share tree steps
-        if not (cmp and near and ts.get("tree_steps") and chain_ok and ts.get("moved_rows")):
+        chain_ok = hk.get("chain_steps") == 0 or "mix" in tag  # mixed: chain-routed requests share tree steps
+        graphs_ok = "-fg" not in tag or ts.get("graph_steps")  # FULL graphs: uniform decode steps seen
+        if not (cmp and near and ts.get("tree_steps") and chain_ok and graphs_ok and ts.get("moved_rows")):
             bad.append(tag)
         elif r.get("sync") and r["sync"]["ours"]:
             bad.append(tag + " (host syncs in ddtree_patcher: " + str(r["sync"]["samples_ours"]) + ")")

@@ -1,7 +1,8 @@
 """One in-process vLLM engine run (V1, CPU) on the tiny checkpoints; prints ``RESULT {json}``.
 
 env: ROOT (checkpoints: make_tiny_ckpts.py, optionally branchy_ckpts.py), DTYPE (float32), EAGER=1|0,
-CG_MODE (with EAGER=0: compilation_config cudagraph_mode, e.g. PIECEWISE), GPU_MEM (gpu_memory_utilization),
+CG_MODE (with EAGER=0: compilation_config cudagraph_mode, e.g. PIECEWISE; CG_SIZES: its
+cudagraph_capture_sizes, comma-separated), GPU_MEM (gpu_memory_utilization),
 LOGPROBS (top-k logprobs of each generated token), SYNC_DEBUG=1 (CUDA: host syncs during generation,
 attributed to ddtree_patcher or vLLM frames), SPEC=0|1 (DFlash with
 num_speculative_tokens DEPTH, default 3), DDTREE_PATCH_ENABLE / DDTREE_PATCH_BUDGET (DDTree),
@@ -71,6 +72,8 @@ try:
         kw["gpu_memory_utilization"] = float(os.environ["GPU_MEM"])
     if not eager and os.environ.get("CG_MODE"):  # e.g. PIECEWISE (DDTree: attention outside the graphs)
         kw["compilation_config"] = {"cudagraph_mode": os.environ["CG_MODE"]}
+        if os.environ.get("CG_SIZES"):  # e.g. "72": every decode batch padded to 8 requests of 9 rows
+            kw["compilation_config"]["cudagraph_capture_sizes"] = [int(x) for x in os.environ["CG_SIZES"].split(",")]
     res["eager"], res["cg_mode"], res["dtype"] = eager, os.environ.get("CG_MODE"), kw["dtype"]
     if spec:
         kw["speculative_config"] = {"method": "dflash", "model": f"{root}/dflash",
