@@ -38,7 +38,7 @@ Subcommands:
   ckpt ROOT [--shape qwen3-8b|tiny]   write ROOT/target and ROOT/dflash (config.json only: the
                                       weights are dummy)
   engine --root ROOT --mode nospec|chain|ddtree [--depth L] [--budget N] [--batch 1 8 32]
-         [--ctx 1024] [--tokens 24] [--cg PIECEWISE|eager] [--gpu-mem 0.85] [--load-format dummy]
+         [--ctx 1024] [--tokens 24] [--cg FULL_AND_PIECEWISE|PIECEWISE|eager] [--gpu-mem 0.85] [--load-format dummy]
          prints ``RESULT {json}`` (set DDTREE_PATCH_ENABLE=1 / DDTREE_PATCH_BUDGET=N in the
          environment for --mode ddtree: vLLM's plugin reads them at import)
   table LOG... [--out JSON]            the side-by-side table from the engines' RESULT lines
@@ -349,7 +349,7 @@ def main() -> int:
     e.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     e.add_argument("--ctx", type=int, default=1024)
     e.add_argument("--tokens", type=int, default=24)
-    e.add_argument("--cg", default="PIECEWISE", help="cudagraph_mode, or eager")
+    e.add_argument("--cg", default="FULL_AND_PIECEWISE", help="cudagraph_mode (default: vLLM's), or eager")
     e.add_argument("--dtype", default="bfloat16")
     e.add_argument("--gpu-mem", type=float, default=None)
     e.add_argument("--load-format", default="dummy",

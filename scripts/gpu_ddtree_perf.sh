@@ -1,7 +1,8 @@
 #!/bin/bash
 # gpu_ddtree_perf.sh STAGE : issue 14's performance table on an H200 (docs/ddtree.md "Performance"):
 # per-step time of DDTree vs the DFlash chain vs no speculation in vLLM 0.26.0 (the offline bundle,
-# /work/shared/gpu/README.md) with the whole patch series applied, V1 runner, PIECEWISE CUDA graphs,
+# /work/shared/gpu/README.md) with the whole patch series applied, V1 runner, CUDA graphs in vLLM's
+# default mode FULL_AND_PIECEWISE (run 2 of the record: PIECEWISE, PERF_ARGS="... --cg PIECEWISE"),
 # a Qwen3-8B-shaped target and a DFlash-shaped drafter (5 layers, block size 16) with dummy weights,
 # bf16, context 1K, B = 1 / 8 / 32: engines no-spec, chain K = 15, DDTree N = 16 / 32 / 64 (drafter
 # depth 15), one process each (benchmarks/bench_ddtree_step.py engine), then the table

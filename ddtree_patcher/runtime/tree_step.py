@@ -519,7 +519,6 @@ class TargetTreeStep:
         if positions is not None:
             positions.index_copy_(0, self.node_rows,
                                   positions[self.node_root] + depth.reshape(-1)[flat].to(positions.dtype))
-        self.depth = depth
         self.fa_step = None
         self.all_tree = bool(tree_req.all() and (nsched == nd + 1).all())
         self.graph_step = graph
