@@ -83,6 +83,20 @@ for f in sorted(glob.glob(logs + "/*.log")):
     res[tag] = next((json.loads(l[7:]) for l in open(f, errors="replace") if l.startswith("RESULT ")),
                     {"ok": False, "error": "no RESULT line"})
 
+# the no-spec engines against each other (the graph modes agree without speculation); every other
+# engine against the no-spec engine of its scenario and graph mode
+NOSPEC_REFS = {"nospec": "nospec-pw", "nospec-pw": "nospec", "nospec-mix": "nospec-mix", "nospec-fg": "nospec-pw",
+               "nospec-mix-fg": "nospec-mix"}
+
+def ref_of(tag):
+    if tag in NOSPEC_REFS:
+        return NOSPEC_REFS[tag]
+    if "mix" in tag:
+        return "nospec-mix-fg" if "-fg" in tag else "nospec-mix"
+    if "-fg" in tag:
+        return "nospec-fg"
+    return "nospec-pw" if tag.endswith("-pw") else "nospec"
+
 def compare(r, ref):
     """Per request: None (identical) or (position, margin of ref's top-2 there, picked ref's runner-up)."""
     out = []
@@ -98,11 +112,7 @@ print(f"{'engine':<14} {'ok':<5} {'vs':<13} {'identical':<9} {'start s':<8} {'ge
       f"{'gstep':<5} {'attn':<5} {'moved':<6} {'syncs ours/vLLM':<15} accepted lengths / divergences (pos, ref margin, runner-up)")
 bad, summary = [], {}
 for tag, r in res.items():
-    ref_tag = ("nospec-mix-fg" if tag.endswith("-mix-fg") else "nospec-fg" if tag.endswith(("-fg", "-fg-pad")) else
-               "nospec-mix" if tag.endswith("-mix") else
-               "nospec-pw" if tag.endswith("-pw") and tag != "nospec-pw" else ("nospec" if tag != "nospec" else "nospec-pw"))
-    if tag.startswith("nospec-") and tag.endswith("-fg"):
-        ref_tag = "nospec-mix" if "mix" in tag else "nospec-pw"  # the graph modes agree without speculation
+    ref_tag = ref_of(tag)
     ref = res.get(ref_tag)
     ts = (r.get("tree_step") or [{}])[0]
     hk = (r.get("hook") or [{}])[0] if isinstance(r.get("hook"), list) else {}

@@ -476,15 +476,10 @@ class TargetTreeStep:
         nd = np.asarray(num_nodes, dtype=np.int64)
         root_np = qe - 1 - nd  # the root's query row (a verify request: its first row)
         W = int(parents.shape[1])
-        if graph:
+        if graph or self.cuda:
             from ddtree_patcher.kernels import ancestor_rows
 
-            anc_buf = self.graph_bufs[0]
-            self.ancestor_mask, depth = ancestor_rows(parents, out=anc_buf[:B])
-        elif self.cuda:
-            from ddtree_patcher.kernels import ancestor_rows
-
-            self.ancestor_mask, depth = ancestor_rows(parents)
+            self.ancestor_mask, depth = ancestor_rows(parents, out=self.graph_bufs[0][:B] if graph else None)
         else:  # CPU: the same rows by walking up W times (torch ops; no Triton interpreter here)
             dev = self.device
             par = torch.where(parents >= 0, parents, torch.arange(W, device=dev).expand(B, W))
