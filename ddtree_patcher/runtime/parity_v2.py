@@ -194,8 +194,10 @@ def sample(step, logits, ib, draft_logits=None, invalid_drafts=None):
         draft_sampled = ib.input_ids[ib.logits_indices]
         pos = ib.positions[ib.logits_indices]
     local = ib.expanded_local_pos
-    # A node's position on its branch: root position + depth (a chain's rows keep theirs).
-    pos_tree = pos - local.to(pos.dtype) + depth.to(pos.dtype)
+    # A node's position on its branch: root position + depth (a chain's rows keep theirs). The root's
+    # row is read, not derived: with the tree step the tree rows' positions are already ctx + depth.
+    logit_rows = torch.arange(pos.shape[0], device=pos.device)
+    pos_tree = pos[logit_rows - local.to(torch.int64)] + depth.to(pos.dtype)
     upper = getattr(ib, "seq_lens_cpu_upper_bound", None)  # a host tensor (0.31+), as vLLM reads it
     x = _call(sampler.apply_sampling_params, logits=x_in, expanded_idx_mapping=ib.expanded_idx_mapping,
               idx_mapping=ib.idx_mapping, idx_mapping_np=idx_np, pos=pos_tree, input_ids=draft_sampled,

@@ -1,4 +1,4 @@
-"""The tree-shaped target step on the V1 runner (issue 13): the runtime the ddtree-tree-step call
+"""The tree-shaped target step on the V1 and V2 runners (issue 13): the runtime the ddtree-tree-step call
 sites call (``patches/ddtree_tree_step.py``; ``docs/patches/ddtree-tree-step.md``; the design is
 ``docs/tree-step.md``).
 
@@ -34,9 +34,17 @@ right for that tree:
    (``hidden[root + d] = hidden[root + j_d]``) and the tree rows' positions linear again, so
    DFlash sees the accepted path and its context-KV writes land on distinct slots.
 
+The V2 runner (vLLM 0.26.0's shape) runs the same four pieces from its own sites:
+:meth:`TargetTreeStep.prepare_v2` in ``execute_model`` right after ``prepare_attn`` (slots from
+linear positions; positions are ``input_batch.positions``, the FULL graphs' input buffer), the
+same attention and the same compaction (the slots are the step's ``slot_mappings``, read before
+DFlash's ``propose`` rewrites that buffer), and :meth:`TargetTreeStep.drafter_rows_v2` at the top
+of ``DFlashSpeculator.propose`` (the aux hidden states along the accepted path, positions linear).
+
 Start-up (:func:`bind`: at ``capture_model`` through :func:`before_capture` when CUDA graphs are
-captured, else at the runner's first ``_prepare_inputs``, with ``DDTREE_PATCH_ENABLE`` set)
-refuses by name (``DDTreeNotReady``) what the tree step does not cover: another runner than V1,
+captured, else at the runner's first ``_prepare_inputs`` / ``execute_model``, with
+``DDTREE_PATCH_ENABLE`` set) refuses by name (``DDTreeNotReady``) what the tree step does not
+cover: a V2 runner without the V2 sites (every V2 shape but 0.26.0's: :func:`check_v2_runner`),
 an attention backend other than CPU_ATTN / FlashAttention 3 (with this patch's forward site),
 FULL CUDA graphs of mixed batches (``cudagraph_mode`` FULL; FULL decode graphs are captured with
 the tree attention on persistent mask buffers, every uniform decode step a tree step: see
@@ -52,15 +60,17 @@ import logging
 import os
 from pathlib import Path
 
-TREE_STEP_ABI = 3  # the call-site <-> runtime contract; bump on any incompatible change
+TREE_STEP_ABI = 4  # the call-site <-> runtime contract; bump on any incompatible change
 # (2: the FlashAttention site moved before the forward's causal call and returns when
 # fa_attention() handled the layer; 3: a capture_model site binds the tree step before CUDA graph
-# capture, for FULL decode graphs)
+# capture, for FULL decode graphs; 4: the V2 runner's sites, check_v2_runner instead of refuse_v2)
 ENV_ENABLE = "DDTREE_PATCH_ENABLE"
 ATTR = "ddtree_tree_step"  # on the runner, and on the attention impls of the target layers
 MARK = "# ddtree-patch: ddtree-tree-step"
 # Files that carry the call sites (relative to the directory holding the ``vllm`` package).
 RUNNER_PY = "vllm/v1/worker/gpu_model_runner.py"
+RUNNER_V2_PY = "vllm/v1/worker/gpu/model_runner.py"
+V2_PREP_CALL = "prepare_v2("  # the V2 runner's tree-step site (execute_model) calls this
 CPU_ATTN_PY = "vllm/v1/attention/backends/cpu_attn.py"
 FLASH_ATTN_PY = "vllm/v1/attention/backends/flash_attn.py"
 ATTN_FILES = (CPU_ATTN_PY, FLASH_ATTN_PY)  # a tree step needs the site of the backend it runs on
@@ -94,9 +104,7 @@ def check_abi(tree_step_abi: int) -> None:
 def not_installed_reason() -> str | None:
     """Why the tree step cannot run in this process's vLLM (None: its call sites are installed).
     Reads source files only (no vLLM import); runtime checks follow in :func:`bind`."""
-    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0") not in ("", "0"):
-        return ("VLLM_USE_V2_MODEL_RUNNER=1: the tree step is installed on the V1 runner only "
-                "(the V2 runner's sites are not written yet)")
+    v2 = os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0") not in ("", "0")
     import importlib.util
 
     try:
@@ -107,17 +115,21 @@ def not_installed_reason() -> str | None:
         return "vLLM is not importable in this process"
     root = Path(list(spec.submodule_search_locations)[0]).parent
     want = f"tree_step_abi={TREE_STEP_ABI})".encode()
+    runner_py = RUNNER_V2_PY if v2 else RUNNER_PY
     try:
-        data = (root / RUNNER_PY).read_bytes()
+        data = (root / runner_py).read_bytes()
     except OSError:
-        return f"{RUNNER_PY} not found in {root}"
+        return f"{runner_py} not found in {root}"
     if MARK.encode() not in data:
-        return (f"the ddtree-tree-step patch is not applied to this vLLM ({root / RUNNER_PY} has no call "
-                "site; it applies to the V1 runner of the vLLM 0.25.0-0.28.0 code shapes: `ddtree-patch "
-                "status`)")
+        return (f"the ddtree-tree-step patch is not applied to this vLLM ({root / runner_py} has no call "
+                "site; it applies to the V1 runner of the vLLM 0.25.0-0.28.0 code shapes and the V2 runner of "
+                "the 0.26.0 shape: `ddtree-patch status`)")
     if want not in data:
-        return (f"{root / RUNNER_PY}: the ddtree-tree-step call sites speak another ABI than the installed "
+        return (f"{root / runner_py}: the ddtree-tree-step call sites speak another ABI than the installed "
                 f"runtime ({TREE_STEP_ABI}): `ddtree-patch revert && ddtree-patch apply`")
+    if v2 and V2_PREP_CALL.encode() not in data:
+        return (f"VLLM_USE_V2_MODEL_RUNNER=1: the V2 runner of this vLLM ({root / runner_py}) has no tree step "
+                "(its sites are written for vLLM 0.26.0's V2 runner): set VLLM_USE_V2_MODEL_RUNNER=0")
     for rel in ATTN_FILES:  # the backend actually used is checked when the runner binds
         try:
             if MARK.encode() in (root / rel).read_bytes():
@@ -128,16 +140,38 @@ def not_installed_reason() -> str | None:
             "CPU_ATTN on the 0.25.0-0.28.0 shapes, FlashAttention 3 on the 0.26.0/0.27.0 shape)")
 
 
-def refuse_v2(*, tree_step_abi: int) -> None:
-    """The V2 runner's ``__init__`` with a speculative config built for DDTree: refused by name."""
+def _has_site(fn) -> bool:
+    import inspect
+
+    try:
+        return MARK in inspect.getsource(fn)
+    except (OSError, TypeError):
+        return False
+
+
+def check_v2_runner(runner, *, tree_step_abi: int) -> None:
+    """The V2 runner's ``__init__`` with a speculative config built for DDTree: this runner must
+    carry the V2 tree-step sites (``execute_model``: vLLM 0.26.0's shape), else refused by name
+    (vLLM may pick V2 for DFlash by default); engine options the tree step does not cover (FULL
+    graphs of mixed batches, KV connectors) are refused here, before any capture."""
     check_abi(tree_step_abi)
-    raise _not_ready("the V2 model runner (this vLLM picked it, or VLLM_USE_V2_MODEL_RUNNER=1); the tree step "
-                     "is installed on the V1 runner: set VLLM_USE_V2_MODEL_RUNNER=0")
+    import inspect
+
+    try:
+        src = inspect.getsource(type(runner).execute_model)
+    except (OSError, TypeError, AttributeError):
+        src = ""
+    if MARK not in src or V2_PREP_CALL not in src:  # the execute_model site (V2_PREP_CODE)
+        raise _not_ready(f"the V2 model runner of this vLLM ({type(runner).__module__}; vLLM picked it, or "
+                         "VLLM_USE_V2_MODEL_RUNNER=1): its tree-step sites are written for vLLM 0.26.0's V2 runner "
+                         "only; set VLLM_USE_V2_MODEL_RUNNER=0 (the V1 runner: 0.25.0-0.28.0)")
+    refuse_uncovered_config(getattr(runner, "vllm_config", None))
 
 
 def bind(runner, *, tree_step_abi: int) -> "TargetTreeStep":
-    """Called by the ``_prepare_inputs`` call site once per runner when DDTree is on (the KV
-    caches are bound by then): check what the tree step covers, bind the target layers."""
+    """Called by the ``_prepare_inputs`` (V1) / ``execute_model`` (V2) call site once per runner
+    when DDTree is on, or by :func:`before_capture` (the KV caches are bound by then): check what
+    the tree step covers, bind the target layers."""
     check_abi(tree_step_abi)
     step = TargetTreeStep(runner)
     runner.__dict__[ATTR] = step
@@ -146,9 +180,9 @@ def bind(runner, *, tree_step_abi: int) -> "TargetTreeStep":
 
 def refuse_uncovered_config(vllm_config) -> None:
     """Engine-level options the tree step does not cover, refused by name when the DDTree drafter
-    binds (engine start, before any graph capture): FULL CUDA graphs for mixed batches; a KV
-    connector (offloading or transfer: it may save or load a block's KV before the walk's
-    compaction moved it)."""
+    binds (engine start, before any graph capture; V2: the runner's construction): FULL CUDA graphs
+    for mixed batches; a KV connector (offloading or transfer: it may save or load a block's KV
+    before the walk's compaction moved it)."""
     refuse_full_cuda_graphs(getattr(vllm_config, "compilation_config", None))
     kvt = getattr(vllm_config, "kv_transfer_config", None)
     if kvt is not None:
@@ -192,7 +226,7 @@ def before_capture(runner, *, tree_step_abi: int) -> None:
     check_abi(tree_step_abi)
     from .ddtree import fit_query_buffers
 
-    fit_query_buffers(getattr(runner, "drafter", None), getattr(runner, "compilation_config", None))
+    fit_query_buffers(getattr(runner, "drafter", None), getattr(runner, "compilation_config", None))  # V1
     step = runner.__dict__.get(ATTR)
     if step is None:
         step = bind(runner, tree_step_abi=tree_step_abi)
@@ -200,24 +234,20 @@ def before_capture(runner, *, tree_step_abi: int) -> None:
 
 
 def _forward_has_site(impl) -> bool:
-    import inspect
-
-    try:
-        return MARK in inspect.getsource(type(impl).forward)
-    except (OSError, TypeError):
-        return False
+    return _has_site(type(impl).forward)
 
 
 class TargetTreeStep:
     """Per-runner state of the tree-shaped target step (persistent across steps)."""
+
+    v2 = False  # the V2 runner (set in __init__; a step made with __new__ is V1's)
 
     def __init__(self, runner):
         import torch
 
         from . import hook
 
-        if hasattr(runner, "req_states") or type(runner).__module__.endswith(".gpu.model_runner"):
-            raise _not_ready(f"runner {type(runner).__name__} is the V2 runner; the tree step covers V1")
+        self.v2 = hasattr(runner, "req_states") or type(runner).__module__.endswith(".gpu.model_runner")
         self.runner = runner
         self.device = torch.device(getattr(runner, "device", "cpu"))
         self.hook = hook.tree_step(runner)
@@ -225,16 +255,27 @@ class TargetTreeStep:
             raise _not_ready("the tree-walk hook is not active in this process (DDTREE_PATCH_ENABLE unset)")
         if self.hook.chain_as_tree:
             raise _not_ready("DDTREE_PATCH_CHAIN_AS_TREE=1 verifies chains")
-        if getattr(runner, "uses_mrope", False) or getattr(runner, "uses_xdrope_dim", 0):
+        if (getattr(runner, "uses_mrope", False) or getattr(runner, "uses_xdrope_dim", 0)
+                or getattr(getattr(runner, "model_config", None), "uses_mrope", False)):
             raise _not_ready("M-RoPE / XD-RoPE target (positions are not one row per token)")
         if getattr(getattr(runner, "model_config", None), "is_encoder_decoder", False):
             raise _not_ready("encoder-decoder target")
+        # the graph mode in force: V2 resolves it into its graph manager
+        self.graph_config = (getattr(runner, "cudagraph_manager", None) if self.v2 else None) or \
+            getattr(runner, "compilation_config", None)
         if self.cuda:
-            refuse_full_cuda_graphs(getattr(runner, "compilation_config", None))
+            refuse_full_cuda_graphs(self.graph_config)
+        self.speculator = None
+        if self.v2:
+            spec = getattr(runner, "speculator", None)
+            if spec is None or not _has_site(type(spec).propose):
+                raise _not_ready(f"V2 speculator {type(spec).__name__} without the tree step's propose site "
+                                 "(DFlashSpeculator of vLLM 0.26.0's shape)")
+            self.speculator = spec
         self._init_state()
         self.groups = self._bind_layers(runner)  # [(gid, [K/V views (nb, bs, H, X)])]
         self.graph_bufs = None
-        if self.cuda and full_decode_graphs(getattr(runner, "compilation_config", None)):
+        if self.cuda and full_decode_graphs(self.graph_config):
             if self.fa_varlen is None:
                 raise _not_ready(f"FULL CUDA graphs for decode batches on {self.backend} (the tree step captures "
                                  "FlashAttention 3's path only): use PIECEWISE or enforce_eager=True")
@@ -249,9 +290,11 @@ class TargetTreeStep:
             logger.warning("ddtree-patch: cascade attention disabled for DDTree (tree steps need the "
                            "non-cascade attention path)")
         self.hook.post_walk = self.after_walk
-        logger.warning("ddtree-patch: tree-shaped target step active (V1 %s, %d target layers in %d KV-cache "
+        if self.speculator is not None:
+            self.speculator.__dict__[ATTR] = self  # its propose site (drafter_rows_v2)
+        logger.warning("ddtree-patch: tree-shaped target step active (%s %s, %d target layers in %d KV-cache "
                        "group(s), %s tree attention, KV compaction after the walk%s)",
-                       type(runner).__name__, self.num_layers, len(self.groups), self.backend,
+                       "V2" if self.v2 else "V1", type(runner).__name__, self.num_layers, len(self.groups), self.backend,
                        ", FULL decode CUDA graphs: every uniform decode step is a tree step" if self.graph_bufs
                        else "")
 
@@ -265,7 +308,7 @@ class TargetTreeStep:
 
         from ddtree_patcher.kernels import ancestor_rows
 
-        Q = int(getattr(runner, "uniform_decode_query_len", 0) or 0)
+        Q = int(getattr(runner, "uniform_decode_query_len", 0) or getattr(runner, "decode_query_len", 0) or 0)
         if Q < 2:
             raise _not_ready(f"uniform decode query length {Q} (no speculative tokens)")
         cap = getattr(runner.compilation_config, "max_cudagraph_capture_size", None) or 0
@@ -295,6 +338,7 @@ class TargetTreeStep:
         self.capturing = False  # between before_capture() and the first prepare()
         self.backend = None  # "CPU_ATTN" | "FLASH_ATTN (FA3)"
         self.num_layers = 0
+        self.slot_mappings = None  # V2: the step's slot ids [groups, T_padded] (prepare_attn's)
         self.root_ext = None  # int64 [B + 1]: each request's root row (then T): the compaction's row base
         self.acc_eff = None  # int32 [B]: accepted depth of tree requests, 0 elsewhere (CUDA path)
         self.acc_rows = None  # the walk's accepted rows [B, W] (CUDA path)
@@ -326,8 +370,9 @@ class TargetTreeStep:
         if cfg is None:
             raise _not_ready("the runner has no KV-cache config (KV caches not initialised)")
         ctx = runner.compilation_config.static_forward_context
-        drafter = getattr(runner, "drafter", None)
-        draft_names = set(getattr(drafter, "_draft_attn_layer_names", ()) or ())
+        drafter = getattr(runner, "drafter", None) or getattr(runner, "speculator", None)
+        draft_names = set(getattr(drafter, "_draft_attn_layer_names", None)
+                          or getattr(drafter, "draft_attn_layer_names", None) or ())
         groups = []
         seen = set()
         for gid, group in enumerate(cfg.kv_cache_groups):
@@ -417,16 +462,32 @@ class TargetTreeStep:
 
     # ---- 1. _prepare_inputs: depth positions and this step's tree metadata -------------------
     def prepare(self, runner, scheduler_output, num_reqs: int, num_scheduled_tokens, total_tokens: int) -> None:
-        """After ``compute_slot_mapping``: positions of tree rows become ``ctx + depth``."""
+        """V1, after ``compute_slot_mapping``: positions of tree rows become ``ctx + depth``."""
+        B = int(num_reqs)
+        req_ids = runner.input_batch.req_ids[:B]
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        nd = [len(spec.get(rid, ())) for rid in req_ids]
+        self._prepare(req_ids, nd, num_scheduled_tokens, B, int(total_tokens), runner.positions)
+
+    def prepare_v2(self, runner, input_batch, slot_mappings) -> None:
+        """V2 ``execute_model``, after ``prepare_attn`` (slots from linear positions): positions of
+        tree rows (``input_batch.positions``, the FULL graphs' input buffer) become ``ctx +
+        depth``; ``slot_mappings`` (``[groups, T_padded]``) are kept for the compaction after the
+        walk. The drafted nodes per request come from ``cu_num_logits_np`` (1 + drafts)."""
+        import numpy as np
+
+        B = int(input_batch.num_reqs)
+        nd = (np.diff(np.asarray(input_batch.cu_num_logits_np[:B + 1], dtype=np.int64)) - 1).clip(0).tolist()
+        self.slot_mappings = slot_mappings
+        self._prepare(list(input_batch.req_ids[:B]), nd, input_batch.num_scheduled_tokens, B,
+                      int(input_batch.num_tokens), input_batch.positions)
+
+    def _prepare(self, req_ids, nd, num_scheduled_tokens, B: int, total_tokens: int, positions) -> None:
         self.active = False
         self.capturing = False
         self.graph_step = False
         self.moves = None
         self.node_rows = None
-        B = int(num_reqs)
-        req_ids = runner.input_batch.req_ids[:B]
-        spec = scheduler_output.scheduled_spec_decode_tokens
-        nd = [len(spec.get(rid, ())) for rid in req_ids]
         if self.graph_bufs is not None:
             Q = self.graph_bufs[2]
             if B and all(int(n) == Q for n in num_scheduled_tokens[:B]):
@@ -434,15 +495,15 @@ class TargetTreeStep:
                 # every request is scored with a mask: its tree, or a chain (requests vLLM's chain
                 # sampler verifies; a prefill chunk of exactly Q tokens): causal attention
                 parents, has = self.hook.pending_parents(req_ids, nd, Q, chain_nodes=[Q - 1] * B)
-                self.set_plan_parents(B, int(total_tokens), num_scheduled_tokens, [Q - 1] * B, parents,
-                                      runner.positions, trees=int(has.sum()), graph=True)
+                self.set_plan_parents(B, total_tokens, num_scheduled_tokens, [Q - 1] * B, parents,
+                                      positions, trees=int(has.sum()), graph=True)
                 return
         if not any(n and self.hook.pending_tree(rid, n) is not None for rid, n in zip(req_ids, nd)):
             return
         W = max(nd) + 1
         parents, has = self.hook.pending_parents(req_ids, nd, W)  # one gather, [B, W], -1 = no link
-        self.set_plan_parents(B, int(total_tokens), num_scheduled_tokens,
-                              [n if h else 0 for n, h in zip(nd, has)], parents, runner.positions)
+        self.set_plan_parents(B, total_tokens, num_scheduled_tokens,
+                              [n if h else 0 for n, h in zip(nd, has)], parents, positions)
 
     def set_plan(self, B: int, T: int, num_scheduled_tokens, trees, positions=None) -> None:
         """This step's tree metadata from ``trees`` [(batch row, n nodes, local parents [n])]
@@ -651,9 +712,8 @@ class TargetTreeStep:
         self.moves = (src, dst) if n else None
         if not n:
             return
-        bt = self.runner.input_batch.block_table
         for gid, views in self.groups:
-            slots = bt[gid].slot_mapping.gpu[:self.T].to(torch.int64)
+            slots = self._slots(gid).to(torch.int64)
             s, t = slots[src], slots[dst]
             for view in views:
                 bs = view.shape[1]
@@ -676,9 +736,15 @@ class TargetTreeStep:
             self.dev_counts = torch.zeros(1 + rows.shape[1], dtype=torch.int64, device=rows.device)
         self.dev_counts[0] += moved
         self.dev_counts[1:].scatter_add_(0, acc.to(torch.int64).clamp(0, rows.shape[1] - 1), tree.to(torch.int64))
-        bt = self.runner.input_batch.block_table
         for gid, comp in self.compactors:
-            comp(bt[gid].slot_mapping.gpu[:self.T], self.root_ext, rows, acc, num_reqs=B)
+            comp(self._slots(gid), self.root_ext, rows, acc, num_reqs=B)
+
+    def _slots(self, gid: int):
+        """The step's slot ids of KV-cache group ``gid`` (T rows): V1's block table buffer, V2's
+        ``slot_mappings`` from ``prepare_attn`` (DFlash's ``propose`` rewrites that buffer later)."""
+        if self.v2:
+            return self.slot_mappings[gid][:self.T]
+        return self.runner.input_batch.block_table[gid].slot_mapping.gpu[:self.T]
 
     # ---- 4. the drafter's inputs ---------------------------------------------------------------
     def drafter_rows(self, target_hidden_states, target_positions):
@@ -700,6 +766,28 @@ class TargetTreeStep:
         pos.index_copy_(0, self.node_rows, pos[self.node_root] + self.node_index.to(pos.dtype))
         self.node_rows = None
         return target_positions
+
+    def drafter_rows_v2(self, last_hidden_states, aux_hidden_states, positions) -> None:
+        """V2 ``DFlashSpeculator.propose``, first thing: the tensors DFlash reads its context from
+        (the aux hidden states, else the last hidden states) gathered along the accepted path and
+        the tree rows' positions (``input_batch.positions``) linear again, in place. A dummy run's
+        propose finds no plan and changes nothing."""
+        if self.node_rows is None:
+            return
+        tensors = list(aux_hidden_states) if aux_hidden_states else [last_hidden_states]
+        if self.cuda:
+            if self.acc_eff is not None:
+                from ddtree_patcher.kernels import RowGatherer
+
+                RowGatherer(tensors)(self.root_ext, self.acc_rows, self.acc_eff, num_reqs=self.B)
+                self.acc_eff = self.acc_rows = None
+        elif self.moves is not None:  # the CPU path's moves (after_walk), as in drafter_rows
+            src, dst = self.moves
+            for t in tensors:
+                t[dst] = t[src]
+            self.moves = None
+        positions.index_copy_(0, self.node_rows, positions[self.node_root] + self.node_index.to(positions.dtype))
+        self.node_rows = None
 
     def counters(self) -> dict:
         if self.dev_counts is not None:  # CUDA: fold the device counters in (a sync: not in a step)

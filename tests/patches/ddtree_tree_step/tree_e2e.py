@@ -19,7 +19,7 @@ TOOLS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TOOLS.parent / "prefix_cache"))
 from overlay import overlay_site  # noqa: E402
 
-FILES = [P.RUNNER_PY, P.CPU_ATTN_PY, P.FLASH_ATTN_PY, P.RUNNER_V2_PY]
+FILES = [P.RUNNER_PY, P.CPU_ATTN_PY, P.FLASH_ATTN_PY, P.RUNNER_V2_PY, P.DFLASH_V2_PY]
 
 
 def release_env(version: str, site: Path) -> tuple[str, str]:
