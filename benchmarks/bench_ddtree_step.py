@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Per-step time of DDTree vs the DFlash chain inside a real vLLM engine, with its breakdown (issue 14).
 
-One engine per process (``engine``), V1 runner, the patched vLLM on ``PYTHONPATH``, dummy weights
+One engine per process (``engine``), V1 or V2 runner (``--runner``), the patched vLLM on ``PYTHONPATH``, dummy weights
 (``load_format="dummy"``: real-size tensors, random values), greedy, ``ignore_eos``. For each batch
 size B the engine generates from B random prompts of ``--ctx`` tokens, twice: a *plain* pass (only
 a wall clock at each ``execute_model`` entry) and a *timed* pass (CUDA events around the pieces
@@ -34,11 +34,20 @@ dd_rows        ``TargetTreeStep.drafter_rows`` (the drafter's context rows along
                accepted path)
 =============  ==========================================================================
 
+V2 runner (``--runner V2``): step = ``execute_model`` entry to the next one, prepare =
+``GPUModelRunner.prepare_inputs``, forward = ``ModelCudaGraphManager.run_fullgraph`` /
+``run_pw_graph`` (eager V2 forwards are not timed), sample = ``GPUModelRunner.sample``, draft =
+``DFlashSpeculator.propose``, dd_prepare = ``TargetTreeStep.prepare_v2``, dd_walk =
+``TreeStep.sample_v2``, dd_rows = ``TargetTreeStep.drafter_rows_v2``. V2 builds the tree inside
+the drafter's FULL graph (``DDTreeDrafter.draft_v2``): no Python runs at replay, so ``dd_build`` is
+0 there and the builder's time is counted in ``drafter`` (docs/tree-builder.md times it alone).
+
 Subcommands:
   ckpt ROOT [--shape qwen3-8b|tiny]   write ROOT/target and ROOT/dflash (config.json only: the
                                       weights are dummy)
   engine --root ROOT --mode nospec|chain|ddtree [--depth L] [--budget N] [--batch 1 8 32]
          [--ctx 1024] [--tokens 24] [--cg FULL_AND_PIECEWISE|PIECEWISE|eager] [--gpu-mem 0.85] [--load-format dummy]
+         [--runner V1|V2]
          prints ``RESULT {json}`` (set DDTREE_PATCH_ENABLE=1 / DDTREE_PATCH_BUDGET=N in the
          environment for --mode ddtree: vLLM's plugin reads them at import)
   table LOG... [--out JSON]            the side-by-side table from the engines' RESULT lines
@@ -168,7 +177,8 @@ class Timer:
 def run_engine(a) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     res = {"mode": a.mode, "budget": a.budget, "depth": a.depth, "ctx": a.ctx, "tokens": a.tokens, "cg": a.cg,
-           "shape": a.shape, "runner": "V1"}
+           "shape": a.shape, "runner": a.runner}
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if a.runner == "V2" else "0"
     step = "import"
     try:
         import numpy as np
@@ -203,14 +213,26 @@ def run_engine(a) -> dict:
             os.environ.pop("TRITON_INTERPRET", None)
 
         step = "wrap"
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
         timer = Timer(cuda)
-        timer.wrap(GPUModelRunner, "execute_model", "execute", step=True)
-        timer.wrap(GPUModelRunner, "_prepare_inputs", "prepare")
-        timer.wrap(GPUModelRunner, "_model_forward", "forward")
-        timer.wrap(GPUModelRunner, "_sample", "sample")
-        timer.wrap(GPUModelRunner, "propose_draft_token_ids", "draft")
+        if a.runner == "V2":
+            from vllm.v1.worker.gpu.cudagraph_utils import ModelCudaGraphManager
+            from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+            from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+            timer.wrap(GPUModelRunner, "execute_model", "execute", step=True)
+            timer.wrap(GPUModelRunner, "prepare_inputs", "prepare")
+            timer.wrap(ModelCudaGraphManager, "run_fullgraph", "forward")
+            timer.wrap(ModelCudaGraphManager, "run_pw_graph", "forward")
+            timer.wrap(GPUModelRunner, "sample", "sample")
+            timer.wrap(DFlashSpeculator, "propose", "draft")
+        else:
+            from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+            timer.wrap(GPUModelRunner, "execute_model", "execute", step=True)
+            timer.wrap(GPUModelRunner, "_prepare_inputs", "prepare")
+            timer.wrap(GPUModelRunner, "_model_forward", "forward")
+            timer.wrap(GPUModelRunner, "_sample", "sample")
+            timer.wrap(GPUModelRunner, "propose_draft_token_ids", "draft")
         try:
             from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
 
@@ -221,6 +243,9 @@ def run_engine(a) -> dict:
             from ddtree_patcher.runtime import ddtree, hook, tree_step
 
             timer.wrap(tree_step.TargetTreeStep, "prepare", "dd_prepare")
+            timer.wrap(tree_step.TargetTreeStep, "prepare_v2", "dd_prepare")
+            timer.wrap(tree_step.TargetTreeStep, "drafter_rows_v2", "dd_rows")
+            timer.wrap(hook.TreeStep, "sample_v2", "dd_walk")
             timer.wrap(tree_step.TargetTreeStep, "attention", "dd_attn")  # CPU_ATTN's tree rows
             timer.wrap(tree_step.TargetTreeStep, "fa_attention", "dd_attn")  # FA3: the whole layer in a tree step
             timer.wrap(tree_step.TargetTreeStep, "after_walk", "dd_compact")
@@ -274,8 +299,9 @@ def _load(paths):
 
 
 def label(r) -> str:
-    return {"nospec": "no-spec", "chain": f"chain K={r.get('depth')}",
+    name = {"nospec": "no-spec", "chain": f"chain K={r.get('depth')}",
             "ddtree": f"DDTree N={r.get('budget')}"}.get(r.get("mode"), "?")
+    return name + (" V2" if r.get("runner") == "V2" else "")
 
 
 def table(paths, out=None) -> int:
@@ -292,7 +318,7 @@ def table(paths, out=None) -> int:
             draft_fwd = g("draft") - g("dd_build") - g("dd_rows")
             ours = g("dd_prepare") + g("dd_walk") + g("dd_build") + g("dd_rows")
             rest = step - g("forward") - draft_fwd
-            rows.append(dict(engine=label(r), mode=r["mode"], B=int(B), k=r["k"], steps=p.get("steps"),
+            rows.append(dict(engine=label(r), mode=r["mode"], runner=r.get("runner", "V1"), B=int(B), k=r["k"], steps=p.get("steps"),
                              step_ms=p.get("wall_ms"), step_q1=p.get("wall_ms_q1"), step_q3=p.get("wall_ms_q3"),
                              timed_ms=t.get("wall_ms"), gpu_ms=step, forward=g("forward"),
                              attn=g("attn"), dd_attn=g("dd_attn"), draft_fwd=draft_fwd, prepare=g("prepare"),
@@ -300,7 +326,7 @@ def table(paths, out=None) -> int:
                              dd_compact=g("dd_compact"), dd_build=g("dd_build"), dd_rows=g("dd_rows"), ours=ours,
                              ours_pct=100 * ours / step if step else None,
                              rest_pct=100 * rest / step if step else None))
-    rows.sort(key=lambda x: (x["B"], {"nospec": 0, "chain": 1, "ddtree": 2}[x["mode"]], x["k"]))
+    rows.sort(key=lambda x: (x["runner"], x["B"], {"nospec": 0, "chain": 1, "ddtree": 2}[x["mode"]], x["k"]))
     f = lambda v, n=2: "-" if v is None else f"{v:.{n}f}"  # noqa: E731
     print(f"{'B':>3} {'engine':<14} {'steps':>5} {'step ms':>8} {'q1-q3':>13} {'timed':>7} {'fwd':>7} {'attn':>6} {'dd_attn':>7} "
           f"{'drafter':>7} {'sample':>6} {'walk':>6} {'compact':>7} {'build':>6} {'rows':>5} {'prep':>5} "
@@ -312,16 +338,17 @@ def table(paths, out=None) -> int:
               f"{f(x['sample'], 3):>6} {f(x['dd_walk'], 3):>6} {f(x['dd_compact'], 3):>7} {f(x['dd_build'], 3):>6} "
               f"{f(x['dd_rows'], 3):>5} {f(x['dd_prepare'], 3):>5} {f(x['ours_pct'], 1):>6} {f(x['rest_pct'], 1):>9}")
     # expected speedup over no speculation: tau * t_nospec(B) / t_step(B), tau = tokens per step
-    ar = {x["B"]: x["step_ms"] for x in rows if x["mode"] == "nospec"}
+    ar = {(x["runner"], x["B"]): x["step_ms"] for x in rows if x["mode"] == "nospec"}
     est = []
     if ar:
         print("\nExpected speedup over no speculation = tau x t(no-spec step) / t(step), per B (plain step times):")
         anchors = {"chain": 7.79, "ddtree": 10.73}  # the paper's tau (Qwen3-8B, MATH-500, T=0)
         for x in rows:
-            if x["mode"] == "nospec" or not ar.get(x["B"]) or not x["step_ms"]:
+            if x["mode"] == "nospec" or not ar.get((x["runner"], x["B"])) or not x["step_ms"]:
                 continue
-            ratio = ar[x["B"]] / x["step_ms"]
-            e = dict(B=x["B"], engine=x["engine"], step_over_ar=round(x["step_ms"] / ar[x["B"]], 3),
+            t_ar = ar[(x["runner"], x["B"])]
+            ratio = t_ar / x["step_ms"]
+            e = dict(B=x["B"], engine=x["engine"], step_over_ar=round(x["step_ms"] / t_ar, 3),
                      paper_tau=anchors[x["mode"]], est_speedup_paper_tau=round(anchors[x["mode"]] * ratio, 2))
             est.append(e)
             print(f"  B={x['B']:<3} {x['engine']:<14} step = {e['step_over_ar']:.2f} x no-spec;"
@@ -351,6 +378,7 @@ def main() -> int:
     e.add_argument("--tokens", type=int, default=24)
     e.add_argument("--cg", default="FULL_AND_PIECEWISE", help="cudagraph_mode (default: vLLM's), or eager")
     e.add_argument("--dtype", default="bfloat16")
+    e.add_argument("--runner", default="V1", choices=["V1", "V2"], help="vLLM's model runner (V2: VLLM_USE_V2_MODEL_RUNNER=1)")
     e.add_argument("--gpu-mem", type=float, default=None)
     e.add_argument("--load-format", default="dummy",
                    help="dummy (real-size shapes, no weights); auto for a checkpoint with weights (the CPU smoke:"

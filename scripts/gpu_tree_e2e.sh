@@ -20,6 +20,8 @@
 # those graphs (attn counts eager layer calls only: a FULL replay runs no Python). dd-fg-pad: one
 # capture size, 72 = 8 requests x 9 rows: every decode batch of the 6 prompts is padded (padded
 # requests in the target's FULL graph; the drafter's 24 query rows pad to 72, past its 32-row buffers).
+# *-v2*: the V2 runner (VLLM_USE_V2_MODEL_RUNNER=1; tree-step ABI 4), eager and FULL_AND_PIECEWISE,
+# basic and mixed, each against the V2 no-spec engine of its mode.
 set -u
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 O=${OUT:-/tmp/out}; mkdir -p "$O"
@@ -28,6 +30,11 @@ T0=$(date +%s)
 ph() { echo "=== PHASE $1 at +$(( $(date +%s) - T0 ))s"; }
 # the mixed scenario of tests/patches/test_ddtree_e2e.py (prefix caching, chunked prefill, joins,
 # chain-routed requests in tree steps, a KV cache of 10 blocks: preemption)
+# sampled: temperature 1.0, 10,000 requests of 3 tokens per engine, independent seeds; DDTree's tokens
+# against no speculation's by chi-square (tests/patches/ddtree_tree_step/sampled_stats.py, the CPU
+# test's statistics: tests/patches/test_ddtree_e2e.py)
+SAMPLED="SCENARIO=sampled N_PROMPTS=10000 MAX_TOKENS=3 MAX_NUM_SEQS=256 MAX_BATCHED_TOKENS=16384"
+V2="VLLM_USE_V2_MODEL_RUNNER=1"  # the V2 runner's tree step (vLLM 0.26.0's shape; tree-step ABI 4)
 MIX="SCENARIO=mixed PREFIX_CACHING=1 BLOCK_SIZE=32 MAX_NUM_SEQS=4 MAX_MODEL_LEN=256 MAX_BATCHED_TOKENS=64 NUM_BLOCKS=10"
 #        tag          env
 ENGINES=("nospec        SPEC=0 EAGER=1 LOGPROBS=2"
@@ -42,7 +49,17 @@ ENGINES=("nospec        SPEC=0 EAGER=1 LOGPROBS=2"
          "dd-fg         SPEC=1 EAGER=0 CG_MODE=FULL_AND_PIECEWISE DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1"
          "nospec-mix-fg SPEC=0 EAGER=0 CG_MODE=FULL_AND_PIECEWISE LOGPROBS=2 $MIX"
          "dd-mix-fg     SPEC=1 EAGER=0 CG_MODE=FULL_AND_PIECEWISE DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1 $MIX"
-         "dd-fg-pad     SPEC=1 EAGER=0 CG_MODE=FULL_AND_PIECEWISE CG_SIZES=72 DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1")
+         "dd-fg-pad     SPEC=1 EAGER=0 CG_MODE=FULL_AND_PIECEWISE CG_SIZES=72 DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1"
+         "nospec-v2        $V2 SPEC=0 EAGER=1 LOGPROBS=2"
+         "dd-v2            $V2 SPEC=1 EAGER=1 DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1"
+         "nospec-v2-fg     $V2 SPEC=0 EAGER=0 CG_MODE=FULL_AND_PIECEWISE LOGPROBS=2"
+         "dd-v2-fg         $V2 SPEC=1 EAGER=0 CG_MODE=FULL_AND_PIECEWISE DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1"
+         "nospec-mix-v2-fg $V2 SPEC=0 EAGER=0 CG_MODE=FULL_AND_PIECEWISE LOGPROBS=2 $MIX"
+         "dd-mix-v2-fg     $V2 SPEC=1 EAGER=0 CG_MODE=FULL_AND_PIECEWISE DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1 $MIX"
+         "s-nospec         SPEC=0 EAGER=0 CG_MODE=FULL_AND_PIECEWISE SEED_BASE=0 $SAMPLED"
+         "s-dd             SPEC=1 EAGER=0 CG_MODE=FULL_AND_PIECEWISE SEED_BASE=1000000 DDTREE_PATCH_ENABLE=1 $SAMPLED"
+         "s-nospec-v2      $V2 SPEC=0 EAGER=0 CG_MODE=FULL_AND_PIECEWISE SEED_BASE=0 $SAMPLED"
+         "s-dd-v2          $V2 SPEC=1 EAGER=0 CG_MODE=FULL_AND_PIECEWISE SEED_BASE=1000000 DDTREE_PATCH_ENABLE=1 $SAMPLED")
 
 . "$REPO/scripts/_gpu_bundle.sh"
 
@@ -68,14 +85,16 @@ stage2)
     set -- $e; tag=$1; shift
     engine_pending "$tag" "${BUDGET:-420}" 40 || continue
     ph "$tag (limit ${left}s)"
-    ( unset DDTREE_PATCH_ENABLE CONTROL CG_MODE LOGPROBS SYNC_DEBUG; export TAG=$tag "$@"
+    ( unset DDTREE_PATCH_ENABLE CONTROL CG_MODE LOGPROBS SYNC_DEBUG; export VLLM_USE_V2_MODEL_RUNNER=0 TAG=$tag "$@"
       timeout "$left" python3 "$REPO/tests/patches/ddtree_tree_step/run_tree_engine.py" > "$L/$tag.log" 2>&1 )
     echo "rc=$?"; grep -E "ddtree-patch: (tree|DDTree)|Error|error" "$L/$tag.log" | cut -c1-300 | head -6
   done
   tar czf "$O/tree_e2e_logs.tgz" -C "$L" . 2>/dev/null
-  python3 - "$L" "$O" <<'PY'
+  python3 - "$L" "$O" "$REPO" <<'PY'
 import glob, json, sys
 logs, out = sys.argv[1], sys.argv[2]
+sys.path.insert(0, sys.argv[3] + "/tests/patches/ddtree_tree_step")
+from sampled_stats import sampled_ok, sampled_tests
 TIE = 0.5  # nats: a divergence where no-spec's top-2 margin is below this is a near-tie (fp16 noise)
 res = {}
 for f in sorted(glob.glob(logs + "/*.log")):
@@ -86,16 +105,16 @@ for f in sorted(glob.glob(logs + "/*.log")):
 # the no-spec engines against each other (the graph modes agree without speculation); every other
 # engine against the no-spec engine of its scenario and graph mode
 NOSPEC_REFS = {"nospec": "nospec-pw", "nospec-pw": "nospec", "nospec-mix": "nospec-mix", "nospec-fg": "nospec-pw",
-               "nospec-mix-fg": "nospec-mix"}
+               "nospec-mix-fg": "nospec-mix", "nospec-v2": "nospec", "nospec-v2-fg": "nospec-v2",
+               "nospec-mix-v2-fg": "nospec-mix-fg"}
 
 def ref_of(tag):
+    """The no-spec engine of the tag's scenario, runner and graph mode (eager: none)."""
     if tag in NOSPEC_REFS:
         return NOSPEC_REFS[tag]
-    if "mix" in tag:
-        return "nospec-mix-fg" if "-fg" in tag else "nospec-mix"
-    if "-fg" in tag:
-        return "nospec-fg"
-    return "nospec-pw" if tag.endswith("-pw") else "nospec"
+    parts = tag.split("-")
+    mode = "-fg" if "fg" in parts else "-pw" if "pw" in parts else ""
+    return "nospec" + ("-mix" if "mix" in parts else "") + ("-v2" if "v2" in parts else "") + mode
 
 def compare(r, ref):
     """Per request: None (identical) or (position, margin of ref's top-2 there, picked ref's runner-up)."""
@@ -108,7 +127,7 @@ def compare(r, ref):
         out.append((k, round(lp[0][1] - lp[1][1], 3), len(lp) > 1 and lp[1][0] == b[k]))
     return out
 
-print(f"{'engine':<14} {'ok':<5} {'vs':<13} {'identical':<9} {'start s':<8} {'gen s':<7} {'hook':<5} {'tree':<5} "
+print(f"{'engine':<16} {'ok':<5} {'vs':<16} {'identical':<9} {'start s':<8} {'gen s':<7} {'hook':<5} {'tree':<5} "
       f"{'gstep':<5} {'attn':<5} {'moved':<6} {'syncs ours/vLLM':<15} accepted lengths / divergences (pos, ref margin, runner-up)")
 bad, summary = [], {}
 for tag, r in res.items():
@@ -116,10 +135,11 @@ for tag, r in res.items():
     ref = res.get(ref_tag)
     ts = (r.get("tree_step") or [{}])[0]
     hk = (r.get("hook") or [{}])[0] if isinstance(r.get("hook"), list) else {}
-    cmp = compare(r, ref) if r.get("ok") and ref and ref.get("ok") and ref.get("logprobs") else None
+    sampled = tag.startswith("s-")  # a distribution test (below), not a token comparison
+    cmp = compare(r, ref) if not sampled and r.get("ok") and ref and ref.get("ok") and ref.get("logprobs") else None
     ident = None if cmp is None else sum(c is None for c in cmp)
     summary[tag] = dict(vs=ref_tag, identical=ident, divergences=cmp)
-    print(f"{tag:<14} {str(r.get('ok')):<5} {ref_tag:<13} {f'{ident}/{len(cmp)}' if cmp else '-':<9} "
+    print(f"{tag:<16} {str(r.get('ok')):<5} {ref_tag:<16} {f'{ident}/{len(cmp)}' if cmp else '-':<9} "
           f"{str(r.get('engine_start_s')):<8} {str(r.get('generate_s')):<7} {str(hk.get('engaged_steps')):<5} "
           f"{str(ts.get('tree_steps')):<5} {str(ts.get('graph_steps')):<5} {str(ts.get('attention_calls')):<5} "
           f"{str(ts.get('moved_rows')):<6} "
@@ -131,12 +151,27 @@ for tag, r in res.items():
         bad.append(tag); continue
     if tag.startswith("dd-"):  # trees walked, moved, and every divergence a near-tie resolved to the runner-up
         near = all(c is None or (c[1] < TIE and c[2]) for c in (cmp or [None]))
-        chain_ok = hk.get("chain_steps") == 0 or "mix" in tag  # mixed: chain-routed requests share tree steps
+        # mixed: chain-routed requests share tree steps; V2: its warm-up (vllm/v1/worker/gpu/warmup.py)
+        # runs one step with a grammar bitmask for dummy requests, verified by vLLM's chain sampler
+        warmup = "v2" in tag.split("-") and hk.get("chain_steps") == 1 and set(hk.get("fallbacks") or {}) == {"grammar"}
+        chain_ok = hk.get("chain_steps") == 0 or "mix" in tag or warmup
         graphs_ok = "-fg" not in tag or ts.get("graph_steps")  # FULL graphs: uniform decode steps seen
         if not (cmp and near and ts.get("tree_steps") and chain_ok and graphs_ok and ts.get("moved_rows")):
             bad.append(tag)
         elif r.get("sync") and r["sync"]["ours"]:
             bad.append(tag + " (host syncs in ddtree_patcher: " + str(r["sync"]["samples_ours"]) + ")")
+for ref_tag, dd_tag in (("s-nospec", "s-dd"), ("s-nospec-v2", "s-dd-v2")):  # sampled: same distribution
+    ref, r = res.get(ref_tag), res.get(dd_tag)
+    if not (ref and r and ref.get("ok") and r.get("ok")):
+        continue
+    tests = sampled_tests(ref["tokens"], r["tokens"])
+    ts = (r.get("tree_step") or [{}])[0]
+    summary[dd_tag] = dict(vs=ref_tag, n=[len(ref["tokens"]), len(r["tokens"])], tests=tests, tree_step=ts)
+    print(f"{dd_tag} vs {ref_tag}: n={len(r['tokens'])}, tree steps {ts.get('tree_steps')}, moved {ts.get('moved_rows')}; "
+          + "; ".join(f"{name} p={t['omnibus']['p']}/{t['top_vs_rest']['p']} (top {t['top_vs_rest']['freq']})"
+                      for name, t in tests.items()))
+    if not (sampled_ok(tests) and ts.get("tree_steps") and ts.get("moved_rows")):
+        bad.append(dd_tag + " (distribution)")
 json.dump({"engines": res, "summary": summary, "tie_nats": TIE}, open(out + "/tree_e2e.json", "w"), indent=1)
 print("TREE-E2E", ("FAIL " + ",".join(bad)) if bad else "ok", f"({len(res)} engines; divergences allowed only at "
       f"no-spec near-ties < {TIE} nats resolved to the runner-up)")

@@ -30,9 +30,7 @@ bash scripts/run-tests.sh tests/patches/test_ddtree_e2e.py -s``.
 """
 from __future__ import annotations
 
-import collections
 import json
-import math
 import os
 import sys
 import time
@@ -42,6 +40,7 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "ddtree_tree_step"))
+from sampled_stats import power_n, sampled_tests  # noqa: E402
 from scenarios import MIXED  # noqa: E402
 from tree_e2e import e2e_site, engine  # noqa: E402
 
@@ -163,54 +162,6 @@ def test_acceptance_tree_vs_chain(e2e, k, depths):
 
 
 # ---- sampled: distribution test ---------------------------------------------------------------------
-def chi2_sf(x: float, df: int) -> float:
-    import torch
-
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
-                                         torch.tensor(x / 2, dtype=torch.float64)))
-
-
-def chi2_homogeneity(a: collections.Counter, b: collections.Counter, min_expected: float = 5.0) -> dict:
-    """2 x C chi-square test of homogeneity; categories whose expected count is below
-    ``min_expected`` in either sample are pooled into one (kept if that pool qualifies)."""
-    na, nb = sum(a.values()), sum(b.values())
-    keep, rare = [], [0, 0]
-    for c in set(a) | set(b):
-        tot = a[c] + b[c]
-        if min(tot * na, tot * nb) / (na + nb) >= min_expected:
-            keep.append((a[c], b[c]))
-        else:
-            rare[0] += a[c]
-            rare[1] += b[c]
-    if min(sum(rare) * na, sum(rare) * nb) / (na + nb) >= min_expected:
-        keep.append(tuple(rare))
-    stat = 0.0
-    for x, y in keep:
-        tot = x + y
-        for obs, n in ((x, na), (y, nb)):
-            exp = tot * n / (na + nb)
-            stat += (obs - exp) ** 2 / exp
-    df = len(keep) - 1
-    return {"chi2": round(stat, 3), "df": df, "p": round(chi2_sf(stat, df), 5) if df > 0 else 1.0,
-            "categories": len(keep)}
-
-
-def _top_vs_rest(a: collections.Counter, b: collections.Counter) -> dict:
-    """The targeted test: the most common category vs the rest (2 x 2, df 1)."""
-    top = (a + b).most_common(1)[0][0]
-    na, nb = sum(a.values()), sum(b.values())
-    t = chi2_homogeneity(collections.Counter({0: a[top], 1: na - a[top]}),
-                         collections.Counter({0: b[top], 1: nb - b[top]}))
-    return dict(t, top=list(top) if isinstance(top, tuple) else top, freq=[round(a[top] / na, 4), round(b[top] / nb, 4)])
-
-
-def power_n(p: float, delta: float, z_alpha: float = 1.959964, z_beta: float = 0.841621) -> int:
-    """Requests per arm for a two-sample test of one category's frequency (p vs p + delta) at
-    two-sided alpha 0.05 with power 0.8."""
-    q = p + delta
-    return math.ceil((z_alpha + z_beta) ** 2 * (p * (1 - p) + q * (1 - q)) / delta ** 2)
-
-
 @pytest.mark.parametrize("n", [10000])
 def test_sampled_distribution_matches_no_speculation(e2e, n):
     """Temperature 1.0, no top-k/top-p, one 6-token prompt, 3 tokens per request, DDTree (budget 8,
@@ -234,11 +185,7 @@ def test_sampled_distribution_matches_no_speculation(e2e, n):
     (ts,) = dd["tree_step"]
     assert ts["tree_steps"] > 0 and ts["moved_rows"] > 0, ts  # trees walked, siblings accepted
     assert all(len(t) == 3 for t in nospec["tokens"] + dd["tokens"])
-    tests = {}
-    for name, key in (("first", lambda t: t[0]), ("pair12", lambda t: tuple(t[:2])), ("pair23", lambda t: tuple(t[1:]))):
-        a = collections.Counter(key(t) for t in nospec["tokens"])
-        b = collections.Counter(key(t) for t in dd["tokens"])
-        tests[name] = {"omnibus": chi2_homogeneity(a, b), "top_vs_rest": _top_vs_rest(a, b)}
+    tests = sampled_tests(nospec["tokens"], dd["tokens"])
     p_top = tests["first"]["top_vs_rest"]["freq"][0]
     out = dict(n=n, top_first_token_p=p_top, power_n_for_2pt=power_n(p_top, 0.02), tests=tests, tree_step=ts,
                mean_accepted=round(_mean_accepted(dd), 4),

@@ -145,7 +145,8 @@ try:
                        for o in hook.live_steps()]
         res["tree_step"] = [tree_step.live(o.runner).counters() for o in hook.live_steps()
                             if tree_step.live(o.runner) is not None]
-        drafters = [getattr(getattr(o.runner, "drafter", None), "ddtree_proposer", None) for o in hook.live_steps()]
+        drafters = [getattr(getattr(o.runner, "drafter", None) or getattr(o.runner, "speculator", None),
+                            "ddtree_proposer", None) for o in hook.live_steps()]
         res["drafter"] = [{"budget": d.budget, "depth": d.depth, "steps": d.steps, "tree_rows": d.tree_rows,
                            "chain_rows": d.chain_rows} for d in drafters if d is not None]
     except ImportError:
