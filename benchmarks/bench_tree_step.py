@@ -500,6 +500,52 @@ def bench_compaction(dev, B, n, H, D, hidden, layers_n, timer):
     return row
 
 
+COMP_SWEEP = ([dict(num_warps=w, views_per_program=v, chunk=1024) for w in (4, 2, 1) for v in (1, 2, 4, 8)]
+              + [dict(num_warps=w, views_per_program=v, chunk=512) for w, v in ((2, 2), (1, 4))])
+
+
+def compaction_sweep(dev, H, D, layers_n, timer, cfgs, deadline, results):
+    """Launch configurations of the KV compaction at B = 32 (n 16 / 64), each checked bit for bit
+    against the reference first."""
+    out = []
+    for n in (16, 64):
+        gen = torch.Generator().manual_seed(7 + n)
+        B, ctx = 32, 64
+        nb = B * math.ceil((ctx + n + 1) / 16) + 8
+        layers = [Cache(nb, 16, H, D, torch.bfloat16, dev) for _ in range(layers_n)]
+        st = Step(layers[0], B, n, ctx, 2 * H, dev, gen)
+        rows, nacc = make_walk(st.parents, st.qsl_list, st.W, gen, dev)
+        views = [K.packed_kv_view(c.kv_cache) for c in layers]
+        exp = [v.clone() for v in views]
+        R.compact_kv_ref(exp, st.slot_mapping, st.qsl, rows, nacc)
+        base = [v.clone() for v in views]
+        for cfg in cfgs:
+            if time.time() > deadline:
+                break
+            row = dict(n=n, B=B, layers=layers_n, mean_accepted=nacc.float().mean().item(),
+                       max_accepted=int(nacc.max()), **cfg)
+            try:
+                for v, b in zip(views, base):  # the timing runs of the last configuration moved rows
+                    v.copy_(b)
+                comp = K.KVCompactor(views, **cfg)
+                comp(st.slot_mapping, st.qsl, rows, nacc)
+                row["identical"] = all(torch.equal(_bits(a), _bits(b)) for a, b in zip(views, exp))
+                row["compact_us"] = timer([lambda: comp(st.slot_mapping, st.qsl, rows, nacc)])
+            except Exception:  # noqa: BLE001
+                row["error"] = traceback.format_exc()[-1500:]
+            out.append(row)
+            log(f"[comp-sweep] {row}")
+        del layers, views, exp, base
+    ok = [r for r in out if r.get("identical") and "compact_us" in r]
+    for n in (16, 64):
+        best = min((r for r in ok if r["n"] == n), key=lambda r: r["compact_us"], default=None)
+        if best:
+            log(f"[comp-sweep] best n={n}: {best['compact_us']:.1f} us with num_warps={best['num_warps']} "
+                f"views_per_program={best['views_per_program']} chunk={best['chunk']}")
+    results["compaction_sweep"] = out
+    return all(r.get("identical") for r in out)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="CPU + Triton interpreter, tiny sizes")
@@ -510,6 +556,10 @@ def main():
     ap.add_argument("--no-fa", action="store_true", help="do not import vLLM's FlashAttention (FA columns n/a)")
     ap.add_argument("--sweep", type=float, default=0.0,
                     help="seconds for a launch-configuration sweep of the tree pass (0: none)")
+    ap.add_argument("--compaction-sweep", type=float, default=0.0,
+                    help="seconds for a launch-configuration sweep of the KV compaction (0: none)")
+    ap.add_argument("--compaction-only", action="store_true",
+                    help="only the compaction check, its timing rows and its sweep (no attention)")
     args = ap.parse_args()
     t_start = time.time()
     smoke = args.smoke
@@ -554,8 +604,10 @@ def main():
     log(f"KV cache: {nb} blocks x 16 x {Hkv} x {2 * D} bf16 = {cache.phys.numel() * 2 / 2**30:.2f} GiB "
         f"({time.time() - t_start:.1f}s)")
     failed = []
+    if args.compaction_only:
+        ctxs = []
     if not args.skip_checks:
-        if not check_attention(cache, fa, dev, checks, Hq, results):
+        if not args.compaction_only and not check_attention(cache, fa, dev, checks, Hq, results):
             failed.append("attention")
         if not check_compaction(dev, Hkv, D, hidden if smoke else 256, results):
             failed.append("compaction")
@@ -568,7 +620,11 @@ def main():
             results["compaction"].append(dict(B=B, n=n, error=traceback.format_exc()[-2500:]))
             log(results["compaction"][-1]["error"])
             failed.append(f"compaction-bench B={B} n={n}")
-    if args.sweep > 0:
+    if args.compaction_sweep > 0:
+        cfgs = COMP_SWEEP if not smoke else COMP_SWEEP[:3]
+        if not compaction_sweep(dev, Hkv, D, layers_n, timer, cfgs, time.time() + args.compaction_sweep, results):
+            failed.append("compaction-sweep")
+    if args.sweep > 0 and not args.compaction_only:
         shapes = SWEEP_SHAPES if not smoke else ((2, 4, 20),)
         cfgs = SWEEP_CFGS if not smoke else SWEEP_CFGS[:2]
         results["sweep"] = sweep_pass(cache, dev, Hq, l2, timer, shapes, cfgs, time.time() + args.sweep)

@@ -40,7 +40,7 @@ import triton.language as tl
 _INT_BY_SIZE = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
 
 
-@triton.jit(do_not_specialize=["block_size", "W", "s_blk", "s_off", "s_h", "s_x"])
+@triton.jit(do_not_specialize=["n_views", "block_size", "W", "s_blk", "s_off", "s_h", "s_x"])
 def _move_rows_kernel(
     ptr_table,  # int64 [num_views]: data_ptr of each view
     slot_ptr,  # [T] int32/int64 slot mapping, or None (HAS_SLOTS=False: slot = row)
@@ -48,12 +48,12 @@ def _move_rows_kernel(
     rows_ptr,  # [>= B, W] accepted rows
     nacc_ptr,  # [>= B] accepted depth a
     pos_ptr,  # [T] positions or None
-    s_rows, s_blk, s_off, s_h, s_x, block_size, W,
+    n_views, s_rows, s_blk, s_off, s_h, s_x, block_size, W,
     X: tl.constexpr, NE: tl.constexpr, ELT: tl.constexpr, BLOCK_W: tl.constexpr,
-    CHUNK: tl.constexpr, HAS_SLOTS: tl.constexpr, HAS_POS: tl.constexpr,
+    CHUNK: tl.constexpr, VPP: tl.constexpr, HAS_SLOTS: tl.constexpr, HAS_POS: tl.constexpr,
 ):
     r = tl.program_id(0)
-    v = tl.program_id(1)
+    vg = tl.program_id(1)
     c = tl.program_id(2)
     qs = tl.load(qsl_ptr + r).to(tl.int64)
     a = tl.load(nacc_ptr + r)
@@ -70,29 +70,38 @@ def _move_rows_kernel(
     else:
         src = qs + jd
         dst = qs + d
+    # one key per depth (source slot in the high 32 bits; slots and rows are < 2**31), -1 = no move:
+    # one reduction per depth extracts both
+    key = tl.where(ok, (src << 32) | dst, -1)
     e = c * CHUNK + tl.arange(0, CHUNK)
     e_ok = e < NE
     e_off = (e // X).to(tl.int64) * s_h + (e % X).to(tl.int64) * s_x
-    base = tl.load(ptr_table + v).to(tl.pointer_type(ELT))
+    # VPP views per program: their tiles of one depth are loaded together ([VPP, CHUNK], in flight
+    # at once), then stored
+    vv = vg * VPP + tl.arange(0, VPP)
+    v_ok = vv < n_views
+    bases = tl.load(ptr_table + vv, mask=v_ok, other=0).to(tl.pointer_type(ELT))
+    m2 = v_ok[:, None] & e_ok[None, :]
     # Depth by depth, in increasing d: node j_d sits at local index >= d (its d ancestors come
     # first in node order), so the source of a later depth is never a slot an earlier depth wrote
     # (j_d' >= d' > d), and a slot read by an earlier depth (j_d' = d, d' < d) is written only
-    # after that read (same thread: every depth maps element e to the same lane). One [CHUNK]
-    # tile in flight: no register spills whatever W is. (Measured on the H200, B = 32, 36 layers:
-    # 11.8 / 17.9 us at n = 16 / 64; all sources first in [W, CHUNK] tiles spilled: 2.1 / 7.4 ms;
-    # batches of 8 depths with a barrier: 26.6 / 69.6 us.)
+    # after that read (same thread: every depth maps element (view, e) to the same lane). One
+    # [VPP, CHUNK] tile in flight: no register spills whatever W is. (Measured on the H200, B = 32,
+    # 36 layers, VPP 1, three reductions per depth: 11.8 / 17.9 us at n = 16 / 64; all sources
+    # first in [W, CHUNK] tiles spilled: 2.1 / 7.4 ms; batches of 8 depths with a barrier:
+    # 26.6 / 69.6 us.)
     last = tl.minimum(a, tl.minimum(W, BLOCK_W) - 1)
     for dd in range(1, last + 1):
-        take = (d == dd) & ok
-        s_i = tl.sum(tl.where(take, src, 0), 0)
-        t_i = tl.sum(tl.where(take, dst, 0), 0)
-        if tl.sum(take.to(tl.int32), 0) > 0:
+        k = tl.max(tl.where(d == dd, key, -1), 0)
+        if k >= 0:
+            s_i = k >> 32
+            t_i = k - (s_i << 32)
             s_off_i = (s_i // block_size) * s_blk + (s_i % block_size) * s_off
             t_off_i = (t_i // block_size) * s_blk + (t_i % block_size) * s_off
-            vals = tl.load(base + s_off_i + e_off, mask=e_ok, other=0)
-            tl.store(base + t_off_i + e_off, vals, mask=e_ok)
+            vals = tl.load(bases[:, None] + (s_off_i + e_off)[None, :], mask=m2, other=0)
+            tl.store(bases[:, None] + (t_off_i + e_off)[None, :], vals, mask=m2)
     if HAS_POS:
-        if (v == 0) & (c == 0):
+        if (vg == 0) & (c == 0):
             qlen = tl.load(qsl_ptr + r + 1).to(tl.int64) - qs
             i = tl.arange(0, BLOCK_W)
             pm = (i >= 1) & (i < qlen) & (i < W)
@@ -215,18 +224,19 @@ def _group_views(views: Sequence[torch.Tensor], what: str) -> List[_Group]:
 
 
 def _launch(group: _Group, slot_mapping, query_start_loc, accepted_rows, num_accepted, B,
-            positions, chunk, num_warps):
+            positions, chunk, num_warps, views_per_program=1):
     nb, bs, H, X = group.shape
     s_blk, s_off, s_h, s_x = group.strides
     W = accepted_rows.shape[1]
     NE = H * X
     CHUNK = min(chunk, triton.next_power_of_2(max(NE, 1)))
-    grid = (B, group.n, triton.cdiv(NE, CHUNK))
+    VPP = min(triton.next_power_of_2(max(int(views_per_program), 1)), triton.next_power_of_2(group.n))
+    grid = (B, triton.cdiv(group.n, VPP), triton.cdiv(NE, CHUNK))
     _move_rows_kernel[grid](
         group.table, slot_mapping, query_start_loc, accepted_rows, num_accepted, positions,
-        accepted_rows.stride(0), s_blk, s_off, s_h, s_x, bs, W,
+        group.n, accepted_rows.stride(0), s_blk, s_off, s_h, s_x, bs, W,
         X=X, NE=NE, ELT=_INT_BY_SIZE[group.itemsize], BLOCK_W=triton.next_power_of_2(max(W, 2)),
-        CHUNK=CHUNK, HAS_SLOTS=slot_mapping is not None, HAS_POS=positions is not None,
+        CHUNK=CHUNK, VPP=VPP, HAS_SLOTS=slot_mapping is not None, HAS_POS=positions is not None,
         num_warps=num_warps,
     )
 
@@ -254,11 +264,13 @@ class KVCompactor:
     be in the same block units as the views' block_size.
     """
 
-    def __init__(self, views: Sequence[torch.Tensor], *, chunk: int = 1024, num_warps: int = 4):
+    def __init__(self, views: Sequence[torch.Tensor], *, chunk: int = 1024, num_warps: int = 4,
+                 views_per_program: int = 1):
         self.groups = _group_views(list(views), "views")
         self.device = views[0].device if len(views) else None
         self.chunk = chunk
         self.num_warps = num_warps
+        self.views_per_program = views_per_program
 
     def __call__(self, slot_mapping, query_start_loc, accepted_rows, num_accepted,
                  num_reqs: Optional[int] = None) -> None:
@@ -271,15 +283,15 @@ class KVCompactor:
             return
         for g in self.groups:
             _launch(g, slot_mapping, query_start_loc, accepted_rows, num_accepted, B, None,
-                    self.chunk, self.num_warps)
+                    self.chunk, self.num_warps, self.views_per_program)
 
 
 def compact_kv(views: Sequence[torch.Tensor], slot_mapping, query_start_loc, accepted_rows,
                num_accepted, num_reqs: Optional[int] = None, *, chunk: int = 1024,
-               num_warps: int = 4) -> None:
+               num_warps: int = 4, views_per_program: int = 1) -> None:
     """One-shot ``KVCompactor(views)(slot_mapping, ...)`` (builds the pointer table each call:
     a small host-to-device copy; bind a ``KVCompactor`` once on a hot path)."""
-    KVCompactor(views, chunk=chunk, num_warps=num_warps)(
+    KVCompactor(views, chunk=chunk, num_warps=num_warps, views_per_program=views_per_program)(
         slot_mapping, query_start_loc, accepted_rows, num_accepted, num_reqs)
 
 

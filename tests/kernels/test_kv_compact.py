@@ -64,7 +64,8 @@ def _expected(layer_views_before, c, rows, nacc):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.bfloat16, torch.float32])
-def test_compaction_every_layout_and_dtype(layout, dtype):
+@pytest.mark.parametrize("vpp", [1, 4])  # views per program (4: a partly masked last view group)
+def test_compaction_every_layout_and_dtype(layout, dtype, vpp):
     gen = torch.Generator().manual_seed(LAYOUTS.index(layout) * 7 + dtype.itemsize)
     bs = 16 if layout.startswith("fa") else 8
     c = make_case([5, 37, 0, 20, 3], [9, 12, 4, 0, 7], Hq=2, Hkv=2, D=D, bs=bs, seed=3)
@@ -80,7 +81,7 @@ def test_compaction_every_layout_and_dtype(layout, dtype):
     per_layer_kv = [kv_views(t, layout, D) for t in layers]  # K and V as the backend reads them
     expected = [_expected(kv, c, rows, nacc) for kv in per_layer_kv]
     before = [t.clone() for t in layers]
-    compact_kv(views, c.slot_mapping, c.query_start_loc, rows, nacc, num_reqs=5)
+    compact_kv(views, c.slot_mapping, c.query_start_loc, rows, nacc, num_reqs=5, views_per_program=vpp)
     moved = 0
     for kv, exp in zip(per_layer_kv, expected):
         for got, want in zip(kv, exp):
