@@ -34,6 +34,13 @@ dd_rows        ``TargetTreeStep.drafter_rows`` (the drafter's context rows along
                accepted path)
 =============  ==========================================================================
 
+Also per steady step: ``h_<piece>``, the host time (``perf_counter``) of the same call; the tree
+step's prepare pieces ``dd_pp`` (``TreeStep.pending_parents``), ``dd_spp``
+(``TargetTreeStep.set_plan_parents``), ``dd_up`` (``hook.upload_many``), ``dd_anc``
+(``kernels.ancestor_rows``), inside ``dd_prepare``; ``gc_ms``, the time of Python's garbage
+collections in the step (``gc.callbacks``). The RESULT line also lists the live threads and torch's
+pinned-host allocator counters (where torch has ``torch.cuda.host_memory_stats``).
+
 V2 runner (``--runner V2``): step = ``execute_model`` entry to the next one, prepare =
 ``GPUModelRunner.prepare_inputs``, forward = ``ModelCudaGraphManager.run_fullgraph`` /
 ``run_pw_graph`` (eager V2 forwards are not timed), sample = ``GPUModelRunner.sample``, draft =
@@ -110,6 +117,20 @@ class Timer:
         self.steps = []  # per execute_model call: {"wall": t, "tokens": T, "reqs": B, "spans": [(name, a, b)]}
         self.open = []  # names of the spans being timed (attention inside "forward" is the target's)
         self.pool = [torch.cuda.Event(enable_timing=True) for _ in range(40000)] if cuda else []
+        self._gc_t0 = None
+        import gc
+
+        gc.callbacks.append(self._gc)
+
+    def _gc(self, phase, info):
+        """Python's garbage collections, host time per step (a cause of host-time outliers)."""
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        elif self._gc_t0 is not None and self.steps:
+            s = self.steps[-1]
+            s["gc_ms"] = s.get("gc_ms", 0.0) + (time.perf_counter() - self._gc_t0) * 1e3
+            s["gc_gen"] = max(s.get("gc_gen", -1), int(info.get("generation", 0)))
+            self._gc_t0 = None
 
     def mark(self):
         if self.cuda:
@@ -135,11 +156,13 @@ class Timer:
                 return orig(*args, **kwargs)
             tag = name if name != "attn" or "forward" in timer.open else "draft_attn"
             timer.open.append(tag)
+            ha = time.perf_counter()
             a = timer.mark()
             try:
                 return orig(*args, **kwargs)
             finally:
-                timer.steps[-1]["spans"].append((tag, a, timer.mark()))
+                b = timer.mark()
+                timer.steps[-1]["spans"].append((tag, a, b, ha, time.perf_counter()))
                 timer.open.pop()
 
         wrapped.__wrapped__ = orig
@@ -160,12 +183,21 @@ class Timer:
                 nxt = steps[i + 1]["spans"]
                 if nxt:
                     row["gpu_ms"] = self.span_ms(first, nxt[0][1])
-                for name, a, b in spans:
+                for name, a, b, ha, hb in spans:
                     row[name] = row.get(name, 0.0) + self.span_ms(a, b)
+                    row["h_" + name] = row.get("h_" + name, 0.0) + (hb - ha) * 1e3  # host time of the call
+            row["gc_ms"] = s.get("gc_ms", 0.0)
             rows.append(row)
         keys = sorted({key for r in rows for key in r})
         med = {key: round(statistics.median(r.get(key, 0.0) for r in rows), 4) for key in keys}
         med["steps"] = len(rows)
+        gcs = [r["gc_ms"] for r in rows if r.get("gc_ms")]
+        med["gc_steps"], med["gc_ms_max"] = len(gcs), round(max(gcs, default=0.0), 4)
+        for key in ("h_dd_prepare", "dd_prepare", "h_prepare"):  # the spread of the prepare spans
+            xs = sorted(r[key] for r in rows if key in r)
+            if len(xs) >= 4:
+                q = statistics.quantiles(xs, n=4)
+                med[key + "_q1"], med[key + "_q3"] = round(q[0], 4), round(q[2], 4)
         for key in ("wall_ms", "gpu_ms"):  # the spread of the step time over the steady steps
             xs = sorted(r[key] for r in rows if key in r)
             if len(xs) >= 4:
@@ -252,6 +284,13 @@ def run_engine(a) -> dict:
             timer.wrap(tree_step.TargetTreeStep, "drafter_rows", "dd_rows")
             timer.wrap(hook.TreeStep, "sample_v1", "dd_walk")
             timer.wrap(ddtree.DDTreeDrafter, "build", "dd_build")
+            # the prepare's pieces (inside dd_prepare; not added to "ours" again)
+            import ddtree_patcher.kernels as dk
+
+            timer.wrap(hook.TreeStep, "pending_parents", "dd_pp")
+            timer.wrap(tree_step.TargetTreeStep, "set_plan_parents", "dd_spp")
+            timer.wrap(hook, "upload_many", "dd_up")
+            timer.wrap(dk, "ancestor_rows", "dd_anc")
 
         step = "generate"
         rng = np.random.default_rng(0)
@@ -271,6 +310,15 @@ def run_engine(a) -> dict:
             res["batches"][str(B)] = per
             print(f"B={B}: plain {per['plain'].get('wall_ms')} ms/step ({per['plain']['steps']} steps), "
                   f"timed {per['timed'].get('gpu_ms')} ms GPU", flush=True)
+        import threading
+
+        res["threads"] = sorted(t.name for t in threading.enumerate())
+        hms = getattr(torch.cuda, "host_memory_stats", None)
+        if cuda and hms is not None:
+            try:
+                res["host_memory_stats"] = {k: v for k, v in hms().items() if "alloc" in k or "count" in k}
+            except Exception as e:  # noqa: BLE001
+                res["host_memory_stats"] = str(e)[:200]
         res["metrics"] = {}
         for m in llm.get_metrics():
             if type(m).__name__ == "Counter":
@@ -325,7 +373,10 @@ def table(paths, out=None) -> int:
                              dd_prepare=g("dd_prepare"), sample=g("sample"), dd_walk=g("dd_walk"),
                              dd_compact=g("dd_compact"), dd_build=g("dd_build"), dd_rows=g("dd_rows"), ours=ours,
                              ours_pct=100 * ours / step if step else None,
-                             rest_pct=100 * rest / step if step else None))
+                             rest_pct=100 * rest / step if step else None,
+                             # host time (perf_counter) of the calls, the prepare's pieces, GC
+                             **{k: v for k, v in t.items() if k.startswith("h_") or k.startswith("gc_")
+                                or k in ("dd_pp", "dd_spp", "dd_up", "dd_anc")}))
     rows.sort(key=lambda x: (x["runner"], x["B"], {"nospec": 0, "chain": 1, "ddtree": 2}[x["mode"]], x["k"]))
     f = lambda v, n=2: "-" if v is None else f"{v:.{n}f}"  # noqa: E731
     print(f"{'B':>3} {'engine':<14} {'steps':>5} {'step ms':>8} {'q1-q3':>13} {'timed':>7} {'fwd':>7} {'attn':>6} {'dd_attn':>7} "
@@ -337,6 +388,19 @@ def table(paths, out=None) -> int:
               f"{f(x['forward']):>7} {f(x['attn']):>6} {f(x['dd_attn']):>7} {f(x['draft_fwd']):>7} "
               f"{f(x['sample'], 3):>6} {f(x['dd_walk'], 3):>6} {f(x['dd_compact'], 3):>7} {f(x['dd_build'], 3):>6} "
               f"{f(x['dd_rows'], 3):>5} {f(x['dd_prepare'], 3):>5} {f(x['ours_pct'], 1):>6} {f(x['rest_pct'], 1):>9}")
+    dd = [x for x in rows if x["mode"] == "ddtree" and "h_dd_prepare" in x]
+    if dd:
+        print("\nThe tree step's prepare, ms per step (GPU span / host time of the call; medians, host q1-q3):"
+              " pending_parents, set_plan_parents, upload_many, ancestor_rows inside it; vLLM's whole prepare;"
+              " steps with a Python GC and the longest")
+        print(f"{'B':>3} {'engine':<17} {'prep gpu':>8} {'host':>6} {'host q1-q3':>11} {'pp':>6} {'spp':>6} {'up':>6} "
+              f"{'anc':>6} {'vLLM prep':>9} {'host':>6} {'gc':>3} {'gc max':>6}")
+        for x in dd:
+            g = lambda k: x.get(k)  # noqa: E731
+            print(f"{x['B']:>3} {x['engine']:<17} {f(g('dd_prepare'), 3):>8} {f(g('h_dd_prepare'), 3):>6} "
+                  f"{f(g('h_dd_prepare_q1'), 2) + '-' + f(g('h_dd_prepare_q3'), 2):>11} {f(g('h_dd_pp'), 3):>6} "
+                  f"{f(g('h_dd_spp'), 3):>6} {f(g('h_dd_up'), 3):>6} {f(g('h_dd_anc'), 3):>6} {f(g('prepare'), 3):>9} "
+                  f"{f(g('h_prepare'), 3):>6} {x.get('gc_steps', 0):>3} {f(g('gc_ms_max'), 2):>6}")
     # expected speedup over no speculation: tau * t_nospec(B) / t_step(B), tau = tokens per step
     ar = {(x["runner"], x["B"]): x["step_ms"] for x in rows if x["mode"] == "nospec"}
     est = []
