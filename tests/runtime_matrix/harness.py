@@ -158,6 +158,13 @@ def plan(state: str, ck: dict, v2: bool, tier: str = "full") -> dict:
         cells.append(cell("mixed-v1", "mixed", swa=True))
     if full:
         cells.append(cell("sliding-v1", "sliding", swa=True))
+    if state == "patched" and v2 and full:
+        # DDTree with the runner vLLM picks itself (VLLM_USE_V2_MODEL_RUNNER unset; last: a refused
+        # engine is left half built): V1 (then the no-spec tokens) or V2, which has no tree step on
+        # these releases and must refuse by name when it is built (ddtree-tree-step's V2 site)
+        c = cell("ddtree-default", "plain", DDTREE_PATCH_ENABLE="1", DDTREE_PATCH_BUDGET="8")
+        del c["env"]["VLLM_USE_V2_MODEL_RUNNER"]
+        cells.append(c)
     return {"cells": cells, "p2": {"model_dir": ck["p2"]}}
 
 
@@ -472,6 +479,21 @@ def evaluate(rec: dict) -> dict:
         ch["ddtree.refuses_v1"] = (True if not c.get("ok") and c.get("error", "").startswith("at LLM(): ")
                                    and "DDTREE_PATCH_ENABLE=1 is refused" in c.get("error", "")
                                    else "started" if c.get("ok") else f"did not refuse by name: {c.get('error')}")
+    # DDTree where vLLM picks the runner: V1 runs it, a V2 runner without the tree step refuses by name
+    c = _cell(rec, "patched", "ddtree-default")
+    if not _planned(rec, "patched", "ddtree-default"):
+        ch["ddtree.default_runner"] = "n/a: not in this tier (or no V2 DFlash in this release)"
+    elif c.get("ok"):
+        steps = c.get("hook") or []
+        ch["ddtree.default_runner"] = _engine(c, nospec)
+        if ch["ddtree.default_runner"] is True and not (steps and all(s.get("kind") == "V1" for s in steps)):
+            ch["ddtree.default_runner"] = f"hook steps {steps} (DDTree ran, but not on the V1 runner)"
+        rec["ddtree_default_runner"] = "V1: DDTree ran (tokens compared with no speculation)"
+    else:
+        err = " ".join((c.get("error") or "").split())
+        refused = "DDTREE_PATCH_ENABLE=1 is refused" in err and "V2 model runner" in err
+        ch["ddtree.default_runner"] = True if refused else f"did not refuse by name: {err[:300]}"
+        rec["ddtree_default_runner"] = "V2: refused by name when the runner was built" if refused else "failed"
     p1 = _cell(rec, "patched", "dflash-v1").get("p1") or {}
     ch["P1.aux_layers"] = (True if p1.get("aux_layers") is not None and p1["aux_layers"] == p1.get("expected_0_33")
                            else f"aux layers {p1.get('aux_layers')} for target_layer_ids {p1.get('target_layer_ids')}, "

@@ -89,6 +89,8 @@ class Case:
         torch.manual_seed(seed)
         self.bs, self.dtype = bs, dtype
         self.impl = make_impl(bs, dtype)
+        # the ISA: the impl's (0.25.0-0.28.0) or, from 0.29.0, what the builder sets on the layer
+        self.isa = getattr(self.impl, "isa", None) or ca._get_attn_isa(dtype, bs, D, "auto")
         # (ctx, q_len, parents or None)
         p0 = random_parents(7, rng)
         p2 = random_parents(5, rng)
@@ -103,7 +105,7 @@ class Case:
         self.kv_cache = (torch.randn(nb, Hkv, bs, 2 * D) * 0.1).to(dtype)
         self.K = [torch.randn(c + n, Hkv, D).to(dtype) for c, n, _ in self.reqs]
         self.V = [torch.randn(c + n, Hkv, D).to(dtype) for c, n, _ in self.reqs]
-        self.layer = SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0)
+        self.layer = SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0, isa=self.isa)
         for r, (c, n, _) in enumerate(self.reqs):  # context and this step's rows: the backend's own write
             self.impl.do_kv_cache_update(self.layer, self.K[r], self.V[r], self.kv_cache, self.slots(r, range(c + n)))
         nsched = [n for _, n, _ in self.reqs]
@@ -125,7 +127,7 @@ class Case:
             extra["kv_cache_dtype"] = "auto"
         sm = ops.cpu_attn_get_scheduler_metadata(
             num_reqs=self.B, num_heads=Hq, num_kv_heads=Hkv, head_dim=D, seq_lens=self.seq_lens, dtype=self.dtype,
-            query_start_loc=self.qsl, causal=True, sliding_window_size=-1, isa=self.impl.isa, enable_kv_split=False,
+            query_start_loc=self.qsl, causal=True, sliding_window_size=-1, isa=self.isa, enable_kv_split=False,
             dynamic_causal=None, **extra)
         return ca.CPUAttentionMetadata(num_actual_tokens=self.T, max_query_len=int(self.nsched.max()),
                                        query_start_loc=self.qsl, max_seq_len=int(self.seq_lens.max()),
@@ -136,14 +138,14 @@ class Case:
         st = TS.TargetTreeStep.__new__(TS.TargetTreeStep)
         st._init_state()
         st.device = torch.device("cpu")
-        st.impl_views[id(self.impl)] = TS.cpu_kv_views(self.impl, self.kv_cache)
-        if self.impl.isa in ("vec", "vec16"):  # the kernels' static description == the measured layout
+        st.impl_views[id(self.impl)] = TS.cpu_kv_views(self.impl, self.kv_cache, self.isa)
+        if self.isa in ("vec", "vec16"):  # the kernels' static description == the measured layout
             from ddtree_patcher.kernels import kv_views
 
             static = kv_views(self.kv_cache, "cpu-nbhbs2d", self.impl.head_size)
             for got, want in zip(static, st.impl_views[id(self.impl)]):
                 assert got.stride() == want.stride() and got.storage_offset() == want.storage_offset(), \
-                    (self.impl.isa, got.stride(), want.stride())
+                    (self.isa, got.stride(), want.stride())
         trees = [(r, len(p), torch.tensor(p, dtype=torch.int32)) for r, (_, _, p) in enumerate(self.reqs) if p]
         self.pos_tree = self.positions.clone()
         st.set_plan(self.B, self.T, self.nsched, trees, self.pos_tree)
@@ -191,7 +193,7 @@ for bs, dtype in CASES:
     @check(f"attention[{tag}]")
     def _():
         case = Case(bs, dtype, seed=bs)
-        RESULTS[f"isa[{tag}]"] = case.impl.isa
+        RESULTS[f"isa[{tag}]"] = case.isa
         st = case.step()
         rows, exp = case.reference()
         got = case.forward(st).double()
@@ -264,7 +266,7 @@ for bs, dtype in CASES:
         st.groups = [(0, list(st.impl_views[id(case.impl)]))]
         before = case.kv_cache.clone()
         expected = case.kv_cache.clone()
-        ref_views = TS.cpu_kv_views(case.impl, expected)
+        ref_views = TS.cpu_kv_views(case.impl, expected, case.isa)
         compact_kv_ref(list(ref_views), case.slot_mapping, case.qsl, acc_rows, num_acc)
         st.after_walk(hook_step)
         assert torch.equal(case.kv_cache, expected), "!= compact_kv_ref"
@@ -281,7 +283,7 @@ for bs, dtype in CASES:
         mask = torch.ones(case.kv_cache.shape[0], bs, dtype=torch.bool)
         for s in dst_slots:
             mask[s // bs, s % bs] = False
-        kb, vb = TS.cpu_kv_views(case.impl, before)
+        kb, vb = TS.cpu_kv_views(case.impl, before, case.isa)
         assert torch.equal(k_view[mask], kb[mask]) and torch.equal(v_view[mask], vb[mask])
         assert st.moved_rows == sum(1 for path in paths.values() for d, j in enumerate(path, 1) if j != d)
         # the drafter's inputs
