@@ -101,9 +101,26 @@ def check_abi(tree_step_abi: int) -> None:
             "(`ddtree-patch revert && ddtree-patch apply`, then restart vLLM)")
 
 
-def not_installed_reason() -> str | None:
+def _gpu_platform() -> bool:
+    """Whether this process's vLLM runs on a GPU (CUDA or ROCm), asked of ``vllm.platforms`` only
+    where vLLM has imported it already (an engine's processes); False otherwise."""
+    import sys
+
+    mod = sys.modules.get("vllm.platforms")
+    if mod is None:
+        return False
+    try:
+        return bool(mod.current_platform.is_cuda_alike())
+    except Exception:  # noqa: BLE001 - a platform that cannot say is not a GPU we cover
+        return False
+
+
+def not_installed_reason(gpu: bool | None = None) -> str | None:
     """Why the tree step cannot run in this process's vLLM (None: its call sites are installed).
-    Reads source files only (no vLLM import); runtime checks follow in :func:`bind`."""
+    Reads source files only (no vLLM import); runtime checks follow in :func:`bind`. ``gpu``
+    (default: asked of vLLM's platform, :func:`_gpu_platform`): on a GPU the tree attention is
+    FlashAttention 3's site, the only GPU backend covered, so its file must carry it (else the
+    refusal would come only when the runner binds, at graph capture or the first step)."""
     v2 = os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0") not in ("", "0")
     import importlib.util
 
@@ -123,13 +140,23 @@ def not_installed_reason() -> str | None:
     if MARK.encode() not in data:
         return (f"the ddtree-tree-step patch is not applied to this vLLM ({root / runner_py} has no call "
                 "site; it applies to the V1 runner of the vLLM 0.24.0-0.33.0 code shapes and the V2 runner of "
-                "the 0.26.0 shape: `ddtree-patch status`)")
+                "the 0.26.0 shape: `ddtree-patch verify`)")
     if want not in data:
         return (f"{root / runner_py}: the ddtree-tree-step call sites speak another ABI than the installed "
                 f"runtime ({TREE_STEP_ABI}): `ddtree-patch revert && ddtree-patch apply`")
     if v2 and V2_PREP_CALL.encode() not in data:
         return (f"VLLM_USE_V2_MODEL_RUNNER=1: the V2 runner of this vLLM ({root / runner_py}) has no tree step "
                 "(its sites are written for vLLM 0.26.0's V2 runner): set VLLM_USE_V2_MODEL_RUNNER=0")
+    if _gpu_platform() if gpu is None else gpu:
+        try:
+            fa = MARK.encode() in (root / FLASH_ATTN_PY).read_bytes()
+        except OSError:
+            fa = False
+        if not fa:
+            return (f"on a GPU the tree attention is FlashAttention 3's site, and this vLLM's FlashAttention forward "
+                    f"({root / FLASH_ATTN_PY}) has none: the GPU tree step is written for vLLM 0.26.0-0.27.0's "
+                    "FlashAttention forward (proven on 0.26.0); other releases run DDTree on CPU_ATTN only")
+        return None
     for rel in ATTN_FILES:  # the backend actually used is checked when the runner binds
         try:
             if MARK.encode() in (root / rel).read_bytes():
@@ -391,6 +418,9 @@ class TargetTreeStep:
                 layer = ctx[name]
                 impl = getattr(layer, "impl", None)
                 iname = type(impl).__name__
+                if iname == "FlashAttentionImpl" and not _forward_has_site(impl):
+                    raise _not_ready(f"layer {name}: this vLLM's FlashAttention forward has no tree-step site (it is "
+                                     "written for vLLM 0.26.0-0.27.0's forward)")
                 if iname not in COVERED_IMPLS or not _forward_has_site(impl):
                     raise _not_ready(f"attention backend {iname} of layer {name} (covered: CPU_ATTN and "
                                      "FlashAttention 3, with this patch's forward site)")

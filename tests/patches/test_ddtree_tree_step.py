@@ -193,6 +193,11 @@ def test_refusal_names_why(monkeypatch, tmp_path):
         (tmp_path / rel).write_text(f"x = 1  {MARK}\nbind(self, tree_step_abi={tree_step.TREE_STEP_ABI})\n")
     assert tree_step.not_installed_reason() is None
     ddtree.refuse_without_tree_target_step()
+    # on a GPU the FlashAttention forward must carry the site (0.26.0-0.27.0's shape only): refused at
+    # engine start, not later when the runner binds
+    assert "FlashAttention forward" in tree_step.not_installed_reason(gpu=True)
+    (tmp_path / P.FLASH_ATTN_PY).write_text(f"x = 1  {MARK}\n")
+    assert tree_step.not_installed_reason(gpu=True) is None
     (tmp_path / P.RUNNER_PY).write_text(f"x = 1  {MARK}\nbind(self, tree_step_abi=99)\n")
     assert "another ABI" in tree_step.not_installed_reason()
     # VLLM_USE_V2_MODEL_RUNNER=1: the V2 runner's file decides (its tree step: 0.26.0's shape only)
