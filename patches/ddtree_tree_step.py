@@ -239,8 +239,8 @@ SHAPES_CPU_ATTN = {ATTN_FN: frozenset({"8f833050f847", "53234e594247", "2fe8aab5
                    BUILDER_FN: frozenset({"559ee72beb69", "186ef91891f5", "20942a79089b", "e08fe55779aa",
                                           "59e71b8d9eb0"})}
 SHAPES_FA = {FA_FN: frozenset({"3b778af91817"})}
-# the V2 runner's construction check: 0.25.0-0.28.0, and 0.29.0-0.33.0 (where the V1 runner's sites apply,
-# a V2 runner, which vLLM may pick for DFlash, must refuse: it has no tree step there)
+# the V2 runner's construction check: 0.25.0-0.28.0, and 0.24.0 and 0.29.0-0.33.0 (where the V1 runner's
+# sites apply, a V2 runner, which vLLM may pick for DFlash, must refuse: it has no tree step there)
 SHAPES_V2 = {V2_INIT_FN: frozenset({"5eb8745908c3", "64decbbe25fb", "985cd6418357", "3901c0925860",
                                     "7d6ed7d525a8", "8a67288a4ece", "327214791da3", "4bb24b825950", "fd6b1969ce61",
                                     "7aad2fa08ff5"})}
@@ -249,7 +249,7 @@ SHAPES_V2 = {V2_INIT_FN: frozenset({"5eb8745908c3", "64decbbe25fb", "985cd641835
 # select 0.26.0 only; DFlashSpeculator.propose 229059791180 is 0.26.0's alone.
 SHAPES_V2_STEP = {V2_EXEC_FN: frozenset({"72b49e826b2c"}), V2_CAPTURE_FN: frozenset({"dc71e941b359"})}
 SHAPES_V2_PROPOSE = {V2_PROPOSE_FN: frozenset({"229059791180"})}
-# the V2 runner variant's shapes on all its releases (0.25.0-0.28.0: the construction check runs on
+# the V2 runner variant's shapes on all its releases (0.24.0-0.33.0: the construction check runs on
 # each; the tree-step sites select 0.26.0 through SHAPES_V2_STEP)
 SHAPES_V2_ALL = {**SHAPES_V2, V2_EXEC_FN: frozenset({"72b49e826b2c", "285cde428e02", "a1e81bbe56a9", "7d11f3574a4c",
                                                      "16b8dd942526", "aa512038f575", "9f18ba6d27f2", "d1cc221eb865",

