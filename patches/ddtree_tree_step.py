@@ -277,9 +277,14 @@ def _shape_is(shapes):
 PREP_SITE = Site(function=PREP_FN, anchor="`self.input_batch.block_table.compute_slot_mapping(...)`",
                  unfixed=_slot_mapping_call, rewrite=insert_statements(_slot_mapping_call, PREP_CODE, after=True),
                  applies=_shape_is(SHAPES_RUNNER))
-CAPTURE_SITE = Site(function=CAPTURE_FN, anchor="`compilation_counter.num_gpu_runner_capture_triggers += 1`",
-                    unfixed=_capture_counter, rewrite=insert_statements(_capture_counter, CAPTURE_CODE, after=True),
-                    applies=_shape_is(SHAPES_RUNNER))
+def _capture_site(function: str, shapes, label: str = "") -> Site:
+    """The ``capture_model`` site (V1 and V2 alike: bind before any graph is captured)."""
+    return Site(function=function, anchor="`compilation_counter.num_gpu_runner_capture_triggers += 1`" + label,
+                unfixed=_capture_counter, rewrite=insert_statements(_capture_counter, CAPTURE_CODE, after=True),
+                applies=_shape_is(shapes))
+
+
+CAPTURE_SITE = _capture_site(CAPTURE_FN, SHAPES_RUNNER)
 DRAFT_SITE = Site(function=DRAFT_FN, anchor="`if self.supports_mm_inputs and self.drafter.supports_mm_inputs:`",
                   unfixed=_mm_inputs_if, rewrite=insert_statements(_mm_inputs_if, DRAFT_CODE, after=False),
                   applies=_shape_is(SHAPES_RUNNER))
@@ -298,9 +303,7 @@ V2_PREP_SITE = Site(function=V2_EXEC_FN, anchor="`block_tables, slot_mappings = 
                     unfixed=_prepare_attn_assign,
                     rewrite=insert_statements(_prepare_attn_assign, V2_PREP_CODE, after=True),
                     applies=_shape_is(SHAPES_V2_STEP))
-V2_CAPTURE_SITE = Site(function=V2_CAPTURE_FN, anchor="`compilation_counter.num_gpu_runner_capture_triggers += 1` (V2)",
-                       unfixed=_capture_counter, rewrite=insert_statements(_capture_counter, CAPTURE_CODE, after=True),
-                       applies=_shape_is(SHAPES_V2_STEP))
+V2_CAPTURE_SITE = _capture_site(V2_CAPTURE_FN, SHAPES_V2_STEP, " (V2)")
 V2_PROPOSE_SITE = Site(function=V2_PROPOSE_FN, anchor="`if aux_hidden_states:` (V2 DFlashSpeculator.propose)",
                        unfixed=_aux_hidden_if, rewrite=insert_statements(_aux_hidden_if, V2_PROPOSE_CODE, after=False),
                        applies=_shape_is(SHAPES_V2_PROPOSE))

@@ -147,22 +147,17 @@ def not_installed_reason(gpu: bool | None = None) -> str | None:
     if v2 and V2_PREP_CALL.encode() not in data:
         return (f"VLLM_USE_V2_MODEL_RUNNER=1: the V2 runner of this vLLM ({root / runner_py}) has no tree step "
                 "(its sites are written for vLLM 0.26.0's V2 runner): set VLLM_USE_V2_MODEL_RUNNER=0")
-    if _gpu_platform() if gpu is None else gpu:
-        try:
-            fa = MARK.encode() in (root / FLASH_ATTN_PY).read_bytes()
-        except OSError:
-            fa = False
-        if not fa:
-            return (f"on a GPU the tree attention is FlashAttention 3's site, and this vLLM's FlashAttention forward "
-                    f"({root / FLASH_ATTN_PY}) has none: the GPU tree step is written for vLLM 0.26.0-0.27.0's "
-                    "FlashAttention forward (proven on 0.26.0); other releases run DDTree on CPU_ATTN only")
-        return None
-    for rel in ATTN_FILES:  # the backend actually used is checked when the runner binds
+    gpu = _gpu_platform() if gpu is None else gpu
+    for rel in (FLASH_ATTN_PY,) if gpu else ATTN_FILES:  # the backend actually used is checked when the runner binds
         try:
             if MARK.encode() in (root / rel).read_bytes():
                 return None
         except OSError:
             continue
+    if gpu:
+        return (f"on a GPU the tree attention is FlashAttention 3's site, and this vLLM's FlashAttention forward "
+                f"({root / FLASH_ATTN_PY}) has none: the GPU tree step is written for vLLM 0.26.0-0.27.0's "
+                "FlashAttention forward (proven on 0.26.0); other releases run DDTree on CPU_ATTN only")
     return (f"no attention backend of this vLLM carries the ddtree-tree-step site ({', '.join(ATTN_FILES)}: "
             "CPU_ATTN on the 0.24.0-0.33.0 shapes, FlashAttention 3 on the 0.26.0/0.27.0 shape)")
 
@@ -418,12 +413,12 @@ class TargetTreeStep:
                 layer = ctx[name]
                 impl = getattr(layer, "impl", None)
                 iname = type(impl).__name__
-                if iname == "FlashAttentionImpl" and not _forward_has_site(impl):
-                    raise _not_ready(f"layer {name}: this vLLM's FlashAttention forward has no tree-step site (it is "
-                                     "written for vLLM 0.26.0-0.27.0's forward)")
                 if iname not in COVERED_IMPLS or not _forward_has_site(impl):
-                    raise _not_ready(f"attention backend {iname} of layer {name} (covered: CPU_ATTN and "
-                                     "FlashAttention 3, with this patch's forward site)")
+                    raise _not_ready(
+                        f"layer {name}: this vLLM's FlashAttention forward has no tree-step site (it is written "
+                        "for vLLM 0.26.0-0.27.0's forward)" if iname == "FlashAttentionImpl" else
+                        f"attention backend {iname} of layer {name} (covered: CPU_ATTN and FlashAttention 3, with "
+                        "this patch's forward site)")
                 why = self._impl_refusal(impl)
                 if why:
                     raise _not_ready(f"layer {name}: {why}")
@@ -781,21 +776,7 @@ class TargetTreeStep:
     def drafter_rows(self, target_hidden_states, target_positions):
         """``propose_draft_token_ids``, before the drafter: hidden rows along the accepted path
         (in place), tree rows' positions linear again (in place); returns the positions."""
-        if self.node_rows is None:
-            return target_positions
-        if self.cuda:
-            if self.acc_eff is not None:
-                from ddtree_patcher.kernels import RowGatherer
-
-                RowGatherer([target_hidden_states])(self.root_ext, self.acc_rows, self.acc_eff, num_reqs=self.B)
-                self.acc_eff = self.acc_rows = None
-        elif self.moves is not None:
-            src, dst = self.moves
-            target_hidden_states[dst] = target_hidden_states[src]
-            self.moves = None
-        pos = target_positions
-        pos.index_copy_(0, self.node_rows, pos[self.node_root] + self.node_index.to(pos.dtype))
-        self.node_rows = None
+        self._drafter_rows([target_hidden_states], target_positions)
         return target_positions
 
     def drafter_rows_v2(self, last_hidden_states, aux_hidden_states, positions) -> None:
@@ -803,16 +784,21 @@ class TargetTreeStep:
         (the aux hidden states, else the last hidden states) gathered along the accepted path and
         the tree rows' positions (``input_batch.positions``) linear again, in place. A dummy run's
         propose finds no plan and changes nothing."""
+        self._drafter_rows(list(aux_hidden_states) if aux_hidden_states else [last_hidden_states], positions)
+
+    def _drafter_rows(self, tensors, positions) -> None:
+        """Rows ``root + d`` of each tensor take row ``root + j_d`` (CUDA: ``RowGatherer`` on the
+        walk's accepted rows; CPU: the moves :meth:`after_walk` recorded), then the tree rows'
+        positions are linear again; nothing without a plan."""
         if self.node_rows is None:
             return
-        tensors = list(aux_hidden_states) if aux_hidden_states else [last_hidden_states]
         if self.cuda:
             if self.acc_eff is not None:
                 from ddtree_patcher.kernels import RowGatherer
 
                 RowGatherer(tensors)(self.root_ext, self.acc_rows, self.acc_eff, num_reqs=self.B)
                 self.acc_eff = self.acc_rows = None
-        elif self.moves is not None:  # the CPU path's moves (after_walk), as in drafter_rows
+        elif self.moves is not None:
             src, dst = self.moves
             for t in tensors:
                 t[dst] = t[src]
