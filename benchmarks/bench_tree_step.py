@@ -481,13 +481,20 @@ def sweep_pass(cache, dev, Hq, l2, timer, shapes, cfgs, deadline):
     return out_rows
 
 
-def bench_compaction(dev, B, n, H, D, hidden, layers_n, timer):
+def compaction_case(dev, B, n, H, D, layers_n):
+    """(layers, step, accepted rows, accepted depths): ``layers_n`` bf16 caches, B random trees of n
+    nodes over a 64-token context, a random walk result (seeded by n)."""
     gen = torch.Generator().manual_seed(7 + n)
     ctx = 64
     nb = B * math.ceil((ctx + n + 1) / 16) + 8
     layers = [Cache(nb, 16, H, D, torch.bfloat16, dev) for _ in range(layers_n)]
     st = Step(layers[0], B, n, ctx, 2 * H, dev, gen)
     rows, nacc = make_walk(st.parents, st.qsl_list, st.W, gen, dev)
+    return layers, st, rows, nacc
+
+
+def bench_compaction(dev, B, n, H, D, hidden, layers_n, timer):
+    layers, st, rows, nacc = compaction_case(dev, B, n, H, D, layers_n)
     comp = K.KVCompactor([K.packed_kv_view(c.kv_cache) for c in layers])
     h = torch.randn(st.T, hidden, device=dev).to(torch.bfloat16)
     pos = torch.arange(st.T, device=dev, dtype=torch.int64)
@@ -509,12 +516,8 @@ def compaction_sweep(dev, H, D, layers_n, timer, cfgs, deadline, results):
     against the reference first."""
     out = []
     for n in (16, 64):
-        gen = torch.Generator().manual_seed(7 + n)
-        B, ctx = 32, 64
-        nb = B * math.ceil((ctx + n + 1) / 16) + 8
-        layers = [Cache(nb, 16, H, D, torch.bfloat16, dev) for _ in range(layers_n)]
-        st = Step(layers[0], B, n, ctx, 2 * H, dev, gen)
-        rows, nacc = make_walk(st.parents, st.qsl_list, st.W, gen, dev)
+        B = 32
+        layers, st, rows, nacc = compaction_case(dev, B, n, H, D, layers_n)
         views = [K.packed_kv_view(c.kv_cache) for c in layers]
         exp = [v.clone() for v in views]
         R.compact_kv_ref(exp, st.slot_mapping, st.qsl, rows, nacc)
