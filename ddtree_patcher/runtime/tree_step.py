@@ -364,6 +364,7 @@ class TargetTreeStep:
         self.root_ext = None  # int64 [B + 1]: each request's root row (then T): the compaction's row base
         self.acc_eff = None  # int32 [B]: accepted depth of tree requests, 0 elsewhere (CUDA path)
         self.acc_rows = None  # the walk's accepted rows [B, W] (CUDA path)
+        self._row_gatherer = None  # (tensors' key, RowGatherer): _gatherer
         self.dev_counts = None  # int64 [1 + W] on the device: moved rows, then the accepted-length histogram
         # this step's plan (set by prepare, consumed by attention / after_walk / drafter_rows)
         self.active = False
@@ -786,6 +787,18 @@ class TargetTreeStep:
         propose finds no plan and changes nothing."""
         self._drafter_rows(list(aux_hidden_states) if aux_hidden_states else [last_hidden_states], positions)
 
+    def _gatherer(self, tensors):
+        """A ``RowGatherer`` bound to ``tensors``, kept while the drafter's context tensors keep
+        their memory and layout (CUDA graphs' static buffers: every step), so its pointer table
+        is not rebuilt and uploaded in each step (measured under cProfile on the H200: ~120 µs of
+        host time per step)."""
+        from ddtree_patcher.kernels import RowGatherer
+
+        key = tuple((t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype) for t in tensors)
+        if self._row_gatherer is None or self._row_gatherer[0] != key:
+            self._row_gatherer = (key, RowGatherer(tensors))
+        return self._row_gatherer[1]
+
     def _drafter_rows(self, tensors, positions) -> None:
         """Rows ``root + d`` of each tensor take row ``root + j_d`` (CUDA: ``RowGatherer`` on the
         walk's accepted rows; CPU: the moves :meth:`after_walk` recorded), then the tree rows'
@@ -794,9 +807,7 @@ class TargetTreeStep:
             return
         if self.cuda:
             if self.acc_eff is not None:
-                from ddtree_patcher.kernels import RowGatherer
-
-                RowGatherer(tensors)(self.root_ext, self.acc_rows, self.acc_eff, num_reqs=self.B)
+                self._gatherer(tensors)(self.root_ext, self.acc_rows, self.acc_eff, num_reqs=self.B)
                 self.acc_eff = self.acc_rows = None
         elif self.moves is not None:
             src, dst = self.moves

@@ -84,3 +84,41 @@ def test_prepare_v2_without_trees_is_not_a_tree_step():
     assert not st.active and positions.tolist() == list(range(8))
     st.drafter_rows_v2(torch.zeros(8, 2), None, positions)  # no plan: unchanged
     assert positions.tolist() == list(range(8))
+
+
+def test_device_path_gathers_with_a_kept_gatherer():
+    """The CUDA path's compaction and drafter-row gather (Triton kernels, here under the
+    interpreter) over two steps: the drafter's context tensors keep their memory (as CUDA graphs'
+    static buffers do), so the second step reuses the first step's RowGatherer (no pointer table
+    rebuilt); new memory gets a new one. Both steps gather along their own accepted path."""
+    from ddtree_patcher.kernels import KVCompactor
+
+    class DeviceStep(TS.TargetTreeStep):  # the CUDA path's code on CPU tensors (Triton interpreter)
+        cuda = True
+
+    st = v2_step()
+    st.__class__ = DeviceStep
+    nsched = np.array([5, 3, 4], dtype=np.int32)
+    aux = [torch.arange(16 * 3, dtype=torch.float32).view(16, 3) + 1000 * i for i in range(2)]
+    kv = torch.randn(16, 4, 2, 3)
+    slots = torch.randperm(64)[:16].view(1, 16)
+    st.groups = [(0, [kv])]
+    st.compactors = [(0, KVCompactor([kv]))]
+    gatherers = []
+    for path, tensors in (([0, 2, 4, -1], aux), ([0, 1, 3, -1], aux), ([0, 2, 4, -1], [a.clone() for a in aux])):
+        positions = torch.cat([torch.tensor([10 + i for i in range(5)] + [0, 1, 2] + [20 + i for i in range(4)]),
+                               torch.zeros(4, dtype=torch.int64)])
+        ib = types.SimpleNamespace(num_reqs=3, req_ids=["a", "b", "c"], cu_num_logits_np=np.array([0, 5, 6, 10]),
+                                   num_scheduled_tokens=nsched, num_tokens=12, positions=positions)
+        st.hook._where = {"a": (0, 0), "c": (0, 1)}
+        st.prepare_v2(None, ib, slots)
+        walk = types.SimpleNamespace(accepted_rows=torch.tensor([path, [5, -1, -1, -1], [8, 9, -1, -1]]),
+                                     num_accepted=torch.tensor([2, 0, 1]), tree_rows=torch.tensor([True, False, True]))
+        st.after_walk(walk)
+        ref = [t.clone() for t in tensors]
+        st.drafter_rows_v2(None, tensors, positions)
+        for t, r in zip(tensors, ref):
+            assert torch.equal(t[1], r[path[1]]) and torch.equal(t[2], r[path[2]])
+            assert torch.equal(t[0], r[0]) and torch.equal(t[3:], r[3:])
+        gatherers.append(st._row_gatherer[1])
+    assert gatherers[0] is gatherers[1] and gatherers[2] is not gatherers[1]
