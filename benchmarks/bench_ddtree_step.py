@@ -209,7 +209,7 @@ class Timer:
 def host_profile(llm, prompts, sp, B, top=40):
     """One more generate under cProfile (the engine core runs in this process): the host time
     of each function in µs per engine step, the top ``top`` by own time and, by cumulative time,
-    the runtime's (ddtree_patcher) and the runner's functions. Rows: (µs/step own, µs/step
+    the runtime's (ddtree_patcher, kernels) and the runner's functions. Rows: (µs/step own, µs/step
     cumulative, calls/step, function)."""
     import cProfile
     import pstats
@@ -227,16 +227,18 @@ def host_profile(llm, prompts, sp, B, top=40):
         short = f"{'/'.join(fn.split('/')[-3:])}:{line}({name})"
         rows.append((tt * 1e6 / steps, ct * 1e6 / steps, nc / steps, short))
     own = sorted(rows, key=lambda r: -r[0])[:top]
-    ours = sorted((r for r in rows if "ddtree_patcher" in r[3] or "gpu_model_runner" in r[3]
-                   or "/gpu/model_runner" in r[3] or "kernels/" in r[3]), key=lambda r: -r[1])[:top]
+    ours = sorted((r for r in rows if "ddtree_patcher" in r[3] or "kernels/" in r[3]), key=lambda r: -r[1])[:top]
+    runner = sorted((r for r in rows if "gpu_model_runner" in r[3] or "/gpu/model_runner" in r[3]),
+                    key=lambda r: -r[1])[:15]
     print(f"[profile] B={B}: {steps} steps, {wall * 1e3 / steps:.2f} ms/step under cProfile", flush=True)
     print(f"[profile] B={B} top by own time: µs/step own | cumulative | calls/step | function")
     for r in own:
         print(f"[profile]   {r[0]:9.1f} | {r[1]:9.1f} | {r[2]:7.1f} | {r[3]}")
-    print(f"[profile] B={B} the runtime's and the runner's functions by cumulative time")
-    for r in ours:
-        print(f"[profile]   {r[0]:9.1f} | {r[1]:9.1f} | {r[2]:7.1f} | {r[3]}")
-    return dict(steps=steps, ms_per_step=wall * 1e3 / steps, own=own, ours=ours)
+    for what, sel in (("the runtime's (ddtree_patcher, kernels)", ours), ("the runner's", runner)):
+        print(f"[profile] B={B} {what} functions by cumulative time")
+        for r in sel:
+            print(f"[profile]   {r[0]:9.1f} | {r[1]:9.1f} | {r[2]:7.1f} | {r[3]}")
+    return dict(steps=steps, ms_per_step=wall * 1e3 / steps, own=own, ours=ours, runner=runner)
 
 
 def run_engine(a) -> dict:
