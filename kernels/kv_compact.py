@@ -40,7 +40,7 @@ import triton.language as tl
 _INT_BY_SIZE = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
 
 
-@triton.jit(do_not_specialize=["n_views", "block_size", "W", "s_blk", "s_off", "s_h", "s_x"])
+@triton.jit(do_not_specialize=["n_views", "block_size", "W", "s_blk", "s_off", "s_h", "s_x", "n_bins"])
 def _move_rows_kernel(
     ptr_table,  # int64 [num_views]: data_ptr of each view
     slot_ptr,  # [T] int32/int64 slot mapping, or None (HAS_SLOTS=False: slot = row)
@@ -48,9 +48,12 @@ def _move_rows_kernel(
     rows_ptr,  # [>= B, W] accepted rows
     nacc_ptr,  # [>= B] accepted depth a
     pos_ptr,  # [T] positions or None
-    n_views, s_rows, s_blk, s_off, s_h, s_x, block_size, W,
+    count_ptr,  # int64 [1 + n_bins] counters or None (HAS_COUNTS): moved depths, then a histogram of a
+    tree_ptr,  # bool [>= B] or None: rows counted in the histogram
+    n_views, s_rows, s_blk, s_off, s_h, s_x, block_size, W, n_bins,
     X: tl.constexpr, NE: tl.constexpr, ELT: tl.constexpr, BLOCK_W: tl.constexpr,
     CHUNK: tl.constexpr, VPP: tl.constexpr, HAS_SLOTS: tl.constexpr, HAS_POS: tl.constexpr,
+    HAS_COUNTS: tl.constexpr,
 ):
     r = tl.program_id(0)
     vg = tl.program_id(1)
@@ -63,6 +66,11 @@ def _move_rows_kernel(
     ok = (d >= 1) & (d <= a) & (d < W)
     jd = tl.load(rbase + d, mask=ok, other=0) - row0
     ok = ok & (jd != d)
+    if HAS_COUNTS:  # one program per request: the depths it moves, and its accepted depth if a tree row
+        if (vg == 0) & (c == 0):
+            tl.atomic_add(count_ptr, tl.sum(ok.to(tl.int64), 0))
+            t = tl.load(tree_ptr + r).to(tl.int64)
+            tl.atomic_add(count_ptr + 1 + tl.minimum(a.to(tl.int64), n_bins - 1), t)
     if HAS_SLOTS:
         src = tl.load(slot_ptr + qs + jd, mask=ok, other=-1).to(tl.int64)
         dst = tl.load(slot_ptr + qs + d, mask=ok, other=-1).to(tl.int64)
@@ -224,7 +232,7 @@ def _group_views(views: Sequence[torch.Tensor], what: str) -> List[_Group]:
 
 
 def _launch(group: _Group, slot_mapping, query_start_loc, accepted_rows, num_accepted, B,
-            positions, chunk, num_warps, views_per_program=1):
+            positions, chunk, num_warps, views_per_program=1, counts=None, tree=None):
     nb, bs, H, X = group.shape
     s_blk, s_off, s_h, s_x = group.strides
     W = accepted_rows.shape[1]
@@ -233,11 +241,12 @@ def _launch(group: _Group, slot_mapping, query_start_loc, accepted_rows, num_acc
     VPP = min(triton.next_power_of_2(max(int(views_per_program), 1)), triton.next_power_of_2(group.n))
     grid = (B, triton.cdiv(group.n, VPP), triton.cdiv(NE, CHUNK))
     _move_rows_kernel[grid](
-        group.table, slot_mapping, query_start_loc, accepted_rows, num_accepted, positions,
+        group.table, slot_mapping, query_start_loc, accepted_rows, num_accepted, positions, counts, tree,
         group.n, accepted_rows.stride(0), s_blk, s_off, s_h, s_x, bs, W,
+        0 if counts is None else counts.numel() - 1,
         X=X, NE=NE, ELT=_INT_BY_SIZE[group.itemsize], BLOCK_W=triton.next_power_of_2(max(W, 2)),
         CHUNK=CHUNK, VPP=VPP, HAS_SLOTS=slot_mapping is not None, HAS_POS=positions is not None,
-        num_warps=num_warps,
+        HAS_COUNTS=counts is not None, num_warps=num_warps,
     )
 
 
@@ -279,17 +288,30 @@ class KVCompactor:
         self.views_per_program = views_per_program
 
     def __call__(self, slot_mapping, query_start_loc, accepted_rows, num_accepted,
-                 num_reqs: Optional[int] = None) -> None:
+                 num_reqs: Optional[int] = None, *, counts=None, tree=None) -> bool:
+        """Moves the accepted paths' KV. ``counts`` (int64 ``[1 + bins]`` on the device) with
+        ``tree`` (bool ``[>= B]``): the first launch also adds, per request, the depths it moves
+        (``j_d != d``, d = 1..a) to ``counts[0]`` and, for tree rows, one to ``counts[1 +
+        min(a, bins - 1)]`` (atomics; no host sync). Returns whether anything was launched (no
+        views or no requests: nothing, counters untouched)."""
         if not self.groups:
-            return
+            return False
         dev = self.device
         _check_int("slot_mapping", slot_mapping, 1, dev)
         B = _check_step(query_start_loc, accepted_rows, num_accepted, num_reqs, dev)
         if B == 0:
-            return
-        for g in self.groups:
+            return False
+        if counts is not None and (not isinstance(counts, torch.Tensor) or counts.dtype != torch.int64
+                                   or counts.ndim != 1 or counts.numel() < 2 or counts.device != dev
+                                   or not isinstance(tree, torch.Tensor) or tree.dtype != torch.bool
+                                   or tree.shape[0] < B or tree.device != dev):
+            raise _err("counts", f"must be an int64 [1 + bins >= 2] tensor on {dev} with `tree` a bool "
+                       f"tensor of at least {B} rows there")
+        for i, g in enumerate(self.groups):
             _launch(g, slot_mapping, query_start_loc, accepted_rows, num_accepted, B, None,
-                    self.chunk, self.num_warps, self.views_per_program)
+                    self.chunk, self.num_warps, self.views_per_program,
+                    counts if i == 0 else None, tree if i == 0 else None)
+        return True
 
 
 def compact_kv(views: Sequence[torch.Tensor], slot_mapping, query_start_loc, accepted_rows,

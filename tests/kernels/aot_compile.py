@@ -161,8 +161,8 @@ TREE_ATTN_PTRS = dict(
 )
 MOVE_PTRS = dict(
     ptr_table="*i64", slot_ptr="*i32", qsl_ptr="*i32", rows_ptr="*i32", nacc_ptr="*i32",
-    pos_ptr="*i64", n_views="i32", s_rows="i32", s_blk="i64", s_off="i64", s_h="i64", s_x="i64",
-    block_size="i32", W="i32",
+    pos_ptr="*i64", count_ptr="*i64", tree_ptr="*i1", n_views="i32", s_rows="i32", s_blk="i64", s_off="i64",
+    s_h="i64", s_x="i64", block_size="i32", W="i32", n_bins="i32",
 )
 
 
@@ -182,13 +182,13 @@ def tree_step_variants():
                    G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, BLOCK_T=bt,
                    CTX_MODE=mode, WRITE_LSE=lse, HAS_REQ_MASK=rmask, DOT_PREC="tf32",
                    DOT_UPCAST=False), 0)
-    for elt, name, vpp in ((tl.int16, "bf16", 1), (tl.int8, "fp8", 1), (tl.int16, "bf16", 4)):
-        yield f"move_rows kv {name} views/program={vpp}", KC._move_rows_kernel, MOVE_PTRS, dict(
+    for elt, name, vpp, cnt in ((tl.int16, "bf16", 1, True), (tl.int8, "fp8", 1, False), (tl.int16, "bf16", 4, False)):
+        yield f"move_rows kv {name} views/program={vpp} counts={cnt}", KC._move_rows_kernel, MOVE_PTRS, dict(
             pos_ptr=None, X=256, NE=2048, ELT=elt, BLOCK_W=32, CHUNK=1024, VPP=vpp, HAS_SLOTS=True,
-            HAS_POS=False), 0
+            HAS_POS=False, HAS_COUNTS=cnt, **({} if cnt else dict(count_ptr=None, tree_ptr=None))), 0
     yield "move_rows hidden+positions", KC._move_rows_kernel, MOVE_PTRS, dict(
-        slot_ptr=None, X=4096, NE=4096, ELT=tl.int16, BLOCK_W=64, CHUNK=1024, VPP=1, HAS_SLOTS=False,
-        HAS_POS=True), 0
+        slot_ptr=None, count_ptr=None, tree_ptr=None, X=4096, NE=4096, ELT=tl.int16, BLOCK_W=64, CHUNK=1024,
+        VPP=1, HAS_SLOTS=False, HAS_POS=True, HAS_COUNTS=False), 0
     for pt, W in (("*i64", 17), ("*i64", 65), ("*i32", 257)):
         nw = (W + 31) // 32
         yield f"ancestor_rows {pt[1:]} W={W}", TA._ancestor_rows_kernel, dict(

@@ -186,3 +186,32 @@ def test_named_errors():
     with pytest.raises(KVCompactError, match="num_reqs"):
         compact_kv([packed_kv_view(c.cache)], c.slot_mapping, c.query_start_loc, rows, nacc,
                    num_reqs=5)
+
+
+def test_compaction_counters_match_the_torch_count():
+    """``counts``/``tree``: the kernel adds each request's moved depths (j_d != d, d <= a) and a
+    histogram of a over tree rows, as the tree step counted with torch before (``_moved_depths``);
+    counts accumulate over calls; only the first view group counts."""
+    from ddtree_patcher.runtime.tree_step import _moved_depths
+
+    gen = torch.Generator().manual_seed(5)
+    c = make_case([5, 37, 0, 20, 3], [9, 12, 4, 0, 7], Hq=2, Hkv=2, D=D, bs=16, seed=3)
+    W = 10
+    rows, nacc = _walk(c, gen, W, forced=[[0, 2, 3, 5], None, None, None, [0, 1, 3, 6, 7]])
+    layers = [make_cache("fa-nbhbs2d", c.cache.shape[0], 16, 2, D, torch.float32, gen) for _ in range(2)]
+    views = [packed_kv_view(layers[0]), packed_kv_view(layers[1])[:, :, :1]]  # two view groups
+    rows, nacc = rows[:5], nacc[:5]
+    tree = torch.tensor([True, True, False, True, True])
+    acc = torch.where(tree, nacc, torch.zeros_like(nacc))
+    counts = torch.zeros(1 + W, dtype=torch.int64)
+    comp = KVCompactor(views)
+    assert len(comp.groups) == 2
+    for _ in range(2):
+        assert comp(c.slot_mapping, c.query_start_loc, rows, acc, num_reqs=5, counts=counts, tree=tree)
+    want_moved = int(_moved_depths(rows.to(torch.int64), acc.to(torch.int64))[2].sum())
+    want_hist = torch.zeros(W, dtype=torch.int64).scatter_add_(0, acc.to(torch.int64).clamp(0, W - 1),
+                                                               tree.to(torch.int64))
+    assert want_moved > 0
+    assert counts[0].item() == 2 * want_moved and counts[1:].tolist() == (2 * want_hist).tolist()
+    with pytest.raises(KVCompactError, match="counts"):
+        comp(c.slot_mapping, c.query_start_loc, rows, acc, num_reqs=5, counts=counts.to(torch.int32), tree=tree)

@@ -90,7 +90,8 @@ def test_device_path_gathers_with_a_kept_gatherer():
     """The CUDA path's compaction and drafter-row gather (Triton kernels, here under the
     interpreter) over two steps: the drafter's context tensors keep their memory (as CUDA graphs'
     static buffers do), so the second step reuses the first step's RowGatherer (no pointer table
-    rebuilt); new memory gets a new one. Both steps gather along their own accepted path."""
+    rebuilt); new memory gets a new one. Both steps gather along their own accepted path. The
+    compaction kernel adds the moved-depth and accepted-length counters."""
     from ddtree_patcher.kernels import KVCompactor
 
     class DeviceStep(TS.TargetTreeStep):  # the CUDA path's code on CPU tensors (Triton interpreter)
@@ -122,3 +123,6 @@ def test_device_path_gathers_with_a_kept_gatherer():
             assert torch.equal(t[0], r[0]) and torch.equal(t[3:], r[3:])
         gatherers.append(st._row_gatherer[1])
     assert gatherers[0] is gatherers[1] and gatherers[2] is not gatherers[1]
+    # the compaction kernel's counters: a moves depths 1 and 2, then 2, then 1 and 2; c's node is the chain's
+    c = st.counters()
+    assert c["compactions"] == 3 and c["moved_rows"] == 5 and c["accepted_depths"] == {1: 3, 2: 3}, c
