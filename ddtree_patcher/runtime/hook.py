@@ -53,8 +53,7 @@ run the walk (a request that is not tree-ok is never walked, with or without dra
 batches run vLLM's rejection sampler on the whole batch first (its output
 for chain requests is exactly upstream's, same random draws) and then the walk, and take each
 request's row from the path that owns it. After a step, ``TreeStep`` holds persistent device
-buffers (allocated for ``max_num_reqs`` and the widest step seen): ``parent_ids``/``depths``
-(flat, node order, first ``num_nodes`` valid; chain requests carry the chain), ``accepted_rows``
+buffers (allocated for ``max_num_reqs`` and the widest step seen): ``accepted_rows``
 ``[max_num_reqs, K+1]`` (logits row of the root and of the node accepted at each depth, -1
 padded; for chain requests the node-order prefix), ``num_accepted`` ``[max_num_reqs]``,
 ``tree_rows`` ``[max_num_reqs]`` bool (walked by the tree path); host ``num_reqs``,
@@ -236,8 +235,6 @@ class TreeStep:
 
         self.K = max(self.K, k)
         n, dev, i32 = self.max_num_reqs, self.device, torch.int32
-        self.parent_ids = torch.zeros(n * self.K, dtype=i32, device=dev)
-        self.depths = torch.zeros(n * self.K, dtype=i32, device=dev)
         self.accepted_rows = torch.full((n, self.K + 1), -1, dtype=i32, device=dev)
         self.num_accepted = torch.zeros(n, dtype=i32, device=dev)
         self.tree_rows = torch.zeros(n, dtype=torch.bool, device=dev)
@@ -343,6 +340,14 @@ class TreeStep:
         a pending tree) and ``has`` a host bool array (row has a tree). ``chain_nodes`` (per row):
         rows without a tree get a chain of that many nodes instead (node j's parent j - 1).
         Reads no device data on the host; does not consume the trees (the walk does)."""
+        src, idx, has = self.pending_index(req_ids, num_draft, width, chain_nodes=chain_nodes)
+        return src[self.upload(idx)], has
+
+    def pending_index(self, req_ids: Sequence[str], num_draft: Sequence[int], width: int, *,
+                      chain_nodes: Sequence[int] | None = None):
+        """:meth:`pending_parents` before its gather: ``(src, idx, has)``, ``src`` an int64 device
+        vector and ``idx`` a host int64 ``[len(req_ids), width]`` array, ``parents = src[idx]``
+        (the caller uploads ``idx`` with its other index arrays: one transfer)."""
         import numpy as np
         import torch
 
@@ -364,7 +369,7 @@ class TreeStep:
             has[r] = True
         flat = [a.reshape(-1).to(torch.int64) for a in self._att]
         src = torch.cat(flat + [torch.arange(-1, width - 1, dtype=torch.int64, device=self.device)])
-        return src[self.upload(idx)], has
+        return src, idx, has
 
     # ---- routing (host) ------------------------------------------------------------------------
     def route(self, req_ids: Sequence[str], num_draft: Sequence[int], step_reason: str | None) -> Routing:
@@ -456,9 +461,11 @@ class TreeStep:
         self.chain_steps += 1
 
     # ---- device side: tree tensors of one step (no host sync) -------------------------------
-    def tree_tensors(self, ro: Routing):
-        """Flat local parents [ND] (int32), per-row depth [T] (int64), per-row "has a child" [T]
-        (bool), node rows [ND] (int64), root rows [B] (int64), all on the runner's device."""
+    def tree_tensors(self, ro: Routing, *, depths: bool = True):
+        """Flat local parents [ND] (int32), per-row depth [T] (int64; None unless ``depths``: the V1
+        walk reads none), per-row "has a child" [T] (bool), node rows [ND] (int64), root rows [B]
+        (int64) and the tree-request mask [B] (bool), all on the runner's device; the index arrays
+        in one host-to-device transfer."""
         import numpy as np
         import torch
 
@@ -470,22 +477,25 @@ class TreeStep:
         root_np = starts + np.arange(ro.B, dtype=np.int64)
         req_of_node = np.repeat(np.arange(ro.B, dtype=np.int64), nd)
         node_np = np.arange(ro.ND, dtype=np.int64) + req_of_node + 1
-        idx, node_rows, root_rows, node_root = upload_many(dev, [ro.src, node_np, root_np, root_np[req_of_node]])
+        idx, node_rows, root_rows, node_root, tree = upload_many(
+            dev, [ro.src, node_np, root_np, root_np[req_of_node], ro.tree])
         parents = src_all[idx] if ro.ND else torch.zeros(0, dtype=torch.int32, device=dev)
         T = ro.T
-        rowpar = torch.arange(T, dtype=torch.int64, device=dev)
-        rowpar[node_rows] = node_root + parents.to(torch.int64)
-        depth = torch.zeros(T, dtype=torch.int64, device=dev)
-        depth.index_fill_(0, node_rows, 1)  # not `depth[rows] = 1`: a Python scalar is copied to the device (a sync)
-        a = rowpar
-        for _ in range(max(ro.maxn, 1).bit_length()):  # pointer jumping: ceil(log2(maxn + 1))
-            depth = depth + depth[a]
-            a = a[a]
+        parent_rows = node_root + parents.to(torch.int64)  # each node's parent's row
+        depth = None
+        if depths:  # pointer jumping: ceil(log2(maxn + 1)) rounds
+            a = torch.arange(T, dtype=torch.int64, device=dev)
+            a[node_rows] = parent_rows
+            depth = torch.zeros(T, dtype=torch.int64, device=dev)
+            depth.index_fill_(0, node_rows, 1)  # not `depth[rows] = 1`: a Python scalar is copied to the device (a sync)
+            for _ in range(max(ro.maxn, 1).bit_length()):
+                depth = depth + depth[a]
+                a = a[a]
         has_child = torch.zeros(T, dtype=torch.bool, device=dev)
-        has_child.index_fill_(0, rowpar[node_rows], True)
+        has_child.index_fill_(0, parent_rows, True)
         if not self._where:
             self._att.clear()  # every attached tree consumed: drop the references
-        return parents.contiguous(), depth, has_child, node_rows, root_rows
+        return parents.contiguous(), depth, has_child, node_rows, root_rows, tree.to(torch.bool)
 
     def verify(self, draft_token_ids, parents, cu, width, max_nodes, **kw):
         from ddtree_patcher.kernels import tree_verify, tree_verify_ref
@@ -496,19 +506,17 @@ class TreeStep:
         return fn(draft_token_ids, parents, cu, width=width, max_num_nodes=max(max_nodes, 1),
                   check_data=False, **kw)
 
-    def keep(self, ro: Routing, parents, depth, node_rows, rows, num_acc, tree_mask) -> None:
+    def keep(self, ro: Routing, rows, num_acc, tree_mask) -> None:
         """The step's result into the persistent buffers (device copies only)."""
         B, W = rows.shape
         self._ensure(B, W - 1)
-        nd = ro.ND
-        self.parent_ids[:nd].copy_(parents)
-        self.depths[:nd].copy_(depth[node_rows].to(self.depths.dtype))
-        self.accepted_rows[:B].fill_(-1)
+        if W < self.accepted_rows.shape[1]:
+            self.accepted_rows[:B, W:].fill_(-1)
         self.accepted_rows[:B, :W].copy_(rows)
         self.num_accepted[:B].copy_(num_acc)
         self.tree_rows[:B].copy_(tree_mask)
         self.num_reqs = B
-        self.num_nodes = nd
+        self.num_nodes = ro.ND
         self.engaged = True
         self.engaged_steps += 1
         if self.post_walk is not None:

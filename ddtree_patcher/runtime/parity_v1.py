@@ -140,7 +140,7 @@ def sample(step, metadata, draft_probs, logits, sm):
         chain_out = rejection_sampler(metadata, draft_probs, logits, sm)
         step.chain_steps += 1
 
-    parents, depth, has_child, node_rows, root_rows = step.tree_tensors(ro)
+    parents, _, has_child, node_rows, root_rows, tree_mask = step.tree_tensors(ro, depths=False)
     dev = logits.device
     W = int(metadata.max_spec_len) + 1
     counts = ro.num_draft + 1
@@ -182,7 +182,6 @@ def sample(step, metadata, draft_probs, logits, sm):
                                       predict_bonus_token=True).sampled_token_ids.view(-1)
     out.scatter_(1, col, torch.where(is_leaf, bonus.to(out.dtype), out.gather(1, col).squeeze(1)).unsqueeze(1))
 
-    tree_mask = step.upload(ro.tree)
     logprobs = None
     if chain_out is not None:
         chain = chain_out.sampled_token_ids
@@ -191,7 +190,7 @@ def sample(step, metadata, draft_probs, logits, sm):
         rows = torch.where(tree_mask.unsqueeze(1), rows, chain_rows(root_rows, chain_acc, W))
         num_acc = torch.where(tree_mask, num_acc, chain_acc)
         logprobs = chain_out.logprobs_tensors  # only chain requests ask for logprobs
-    step.keep(ro, parents, depth, node_rows, rows, num_acc, tree_mask)
+    step.keep(ro, rows, num_acc, tree_mask)
     from vllm.v1.outputs import SamplerOutput
 
     return SamplerOutput(sampled_token_ids=out, logprobs_tensors=logprobs)

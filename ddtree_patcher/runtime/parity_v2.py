@@ -181,7 +181,7 @@ def sample(step, logits, ib, draft_logits=None, invalid_drafts=None):
         chain_out = rejection_sampler(*args)
         step.chain_steps += 1
 
-    parents, depth, has_child, node_rows, root_rows = step.tree_tensors(ro)
+    parents, depth, has_child, node_rows, root_rows, tree_mask = step.tree_tensors(ro)
     dev = logits.device
     from vllm.v1.worker.gpu.spec_decode import rejection_sampler as rs_mod
 
@@ -219,7 +219,6 @@ def sample(step, logits, ib, draft_logits=None, invalid_drafts=None):
         out, num_acc, rows = step.verify(draft, parents, cu, W, ro.maxn, target_argmax=argmax,
                                          target_probs=probs, is_greedy=is_greedy, seeds=seeds,
                                          positions=positions)
-    tree_mask = step.upload(ro.tree)
     sampled = out.to(torch.int64)
     raw_sampled = (num_acc + 1).to(torch.int32)
     logprobs = None
@@ -233,7 +232,7 @@ def sample(step, logits, ib, draft_logits=None, invalid_drafts=None):
         num_acc = torch.where(tree_mask, num_acc, chain_acc)
         logprobs = chain_out.logprobs_tensors  # only chain requests ask for logprobs
         num_nans = chain_out.num_nans
-    step.keep(ro, parents, depth, node_rows, rows, num_acc, tree_mask)
+    step.keep(ro, rows, num_acc, tree_mask)
     from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
 
     num_sampled, num_rejected = get_num_sampled_and_rejected(
