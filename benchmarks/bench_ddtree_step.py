@@ -35,7 +35,7 @@ dd_rows        ``TargetTreeStep.drafter_rows`` (the drafter's context rows along
 =============  ==========================================================================
 
 Also per steady step: ``h_<piece>``, the host time (``perf_counter``) of the same call; the tree
-step's prepare pieces ``dd_pp`` (``TreeStep.pending_parents``), ``dd_spp``
+step's prepare pieces ``dd_pp`` (``TreeStep.pending_index``), ``dd_spp``
 (``TargetTreeStep.set_plan_parents``), ``dd_up`` (``hook.upload_many``), ``dd_anc``
 (``kernels.ancestor_rows``), inside ``dd_prepare``; ``gc_ms``, the time of Python's garbage
 collections in the step (``gc.callbacks``). The RESULT line also lists the live threads and torch's
@@ -244,6 +244,7 @@ def host_profile(llm, prompts, sp, B, top=40):
 def run_engine(a) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     res = {"mode": a.mode, "budget": a.budget, "depth": a.depth, "ctx": a.ctx, "tokens": a.tokens, "cg": a.cg,
+           "tree_stream": os.environ.get("DDTREE_PATCH_TREE_STREAM", "1") != "0",
            "shape": a.shape, "runner": a.runner}
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if a.runner == "V2" else "0"
     step = "import"
@@ -322,7 +323,7 @@ def run_engine(a) -> dict:
             # the prepare's pieces (inside dd_prepare; not added to "ours" again)
             import ddtree_patcher.kernels as dk
 
-            timer.wrap(hook.TreeStep, "pending_parents", "dd_pp")
+            timer.wrap(hook.TreeStep, "pending_index", "dd_pp")
             timer.wrap(tree_step.TargetTreeStep, "set_plan_parents", "dd_spp")
             timer.wrap(hook, "upload_many", "dd_up")
             timer.wrap(dk, "ancestor_rows", "dd_anc")
@@ -388,7 +389,8 @@ def _load(paths):
 def label(r) -> str:
     name = {"nospec": "no-spec", "chain": f"chain K={r.get('depth')}",
             "ddtree": f"DDTree N={r.get('budget')}"}.get(r.get("mode"), "?")
-    return name + (" V2" if r.get("runner") == "V2" else "")
+    one_stream = r.get("mode") == "ddtree" and r.get("tree_stream") is False  # DDTREE_PATCH_TREE_STREAM=0
+    return name + (" 1str" if one_stream else "") + (" V2" if r.get("runner") == "V2" else "")
 
 
 def table(paths, out=None) -> int:
@@ -430,7 +432,7 @@ def table(paths, out=None) -> int:
     dd = [x for x in rows if x["mode"] == "ddtree" and "h_dd_prepare" in x]
     if dd:
         print("\nThe tree step's prepare, ms per step (GPU span / host time of the call; medians, host q1-q3):"
-              " pending_parents, set_plan_parents, upload_many, ancestor_rows inside it; vLLM's whole prepare;"
+              " pending_index, set_plan_parents, upload_many, ancestor_rows inside it; vLLM's whole prepare;"
               " steps with a Python GC and the longest")
         print(f"{'B':>3} {'engine':<17} {'prep gpu':>8} {'host':>6} {'host q1-q3':>11} {'pp':>6} {'spp':>6} {'up':>6} "
               f"{'anc':>6} {'vLLM prep':>9} {'host':>6} {'gc':>3} {'gc max':>6}")

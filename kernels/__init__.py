@@ -73,6 +73,7 @@ if TRITON_AVAILABLE:
     )
     from .tree_attention import (  # noqa: E402,F401
         ancestor_rows,
+        merge_attention_states,
         tree_attention,
         tree_attention_dims,
         tree_attention_merge,
@@ -89,6 +90,7 @@ else:  # pragma: no cover - exercised only without triton
     ancestor_rows = _no_triton("ancestor_rows")
     tree_attention_merge = _no_triton("tree_attention_merge")
     tree_attention_dims = _no_triton("tree_attention_dims")
+    merge_attention_states = _no_triton("merge_attention_states")
     compact_kv = _no_triton("compact_kv")
     gather_accepted_rows = _no_triton("gather_accepted_rows")
     KVCompactor = _no_triton("KVCompactor")
@@ -96,6 +98,6 @@ else:  # pragma: no cover - exercised only without triton
     kv_views = _no_triton("kv_views")
     packed_kv_view = _no_triton("packed_kv_view")
 
-__all__ += ["ancestor_rows", "ancestor_rows_ref", "tree_attention", "tree_attention_dims", "tree_attention_merge", "tree_attention_ref", "context_attention_ref",
+__all__ += ["ancestor_rows", "ancestor_rows_ref", "merge_attention_states", "tree_attention", "tree_attention_dims", "tree_attention_merge", "tree_attention_ref", "context_attention_ref",
             "causal_attention_ref", "KVCompactor", "compact_kv", "compact_kv_ref", "RowGatherer",
             "gather_accepted_rows", "gather_accepted_rows_ref", "kv_views", "packed_kv_view"]

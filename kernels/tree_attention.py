@@ -218,6 +218,71 @@ def ancestor_rows(parents: torch.Tensor, *, out: Optional[torch.Tensor] = None,
     return out, depths
 
 
+@triton.jit(do_not_specialize=["W", "s_lh", "s_lt", "s_blh", "s_blt"])
+def _merge_states_kernel(a_ptr, a_lse_ptr, b_ptr, b_lse_ptr, out_ptr, qsl_ptr, ctx_len_ptr, req_mask_ptr,
+                         s_at, s_ah, s_ad, s_lh, s_lt, s_bt, s_bh, s_bd, s_blh, s_blt, s_ot, s_oh, s_od, W,
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr,
+                         HAS_REQ_MASK: tl.constexpr):
+    """One program per (request, q head, BLOCK_W rows): the request's rows (at most W) of two
+    softmax states (context ``a``, tree ``b``) merged by log-sum-exp into ``out``; ``a`` is ignored
+    where the request has no context (FlashAttention leaves it undefined there)."""
+    r = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    qs = tl.load(qsl_ptr + r)
+    qlen = tl.minimum(tl.load(qsl_ptr + r + 1) - qs, W)
+    act = qlen > 0
+    if HAS_REQ_MASK:
+        act = act & (tl.load(req_mask_ptr + r) != 0)
+    has_ctx = tl.load(ctx_len_ptr + r) > 0
+    j = tl.program_id(2) * BLOCK_W + tl.arange(0, BLOCK_W)
+    row_ok = (j < qlen) & act
+    tok = (qs + j).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    m2 = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    lb = tl.load(b_lse_ptr + h * s_blh + tok * s_blt, mask=row_ok, other=0.0)
+    la = tl.load(a_lse_ptr + h * s_lh + tok * s_lt, mask=row_ok & has_ctx, other=float("-inf"))
+    la = tl.where(has_ctx, la, float("-inf"))
+    m = tl.maximum(la, lb)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    wa = tl.exp2((la - m) * LOG2E)
+    wb = tl.exp2((lb - m) * LOG2E)
+    inv = 1.0 / tl.where(wa + wb > 0, wa + wb, 1.0)
+    ob = tl.load(b_ptr + tok[:, None] * s_bt + h * s_bh + offs_d[None, :] * s_bd, mask=m2, other=0.0).to(tl.float32)
+    oa = tl.load(a_ptr + tok[:, None] * s_at + h * s_ah + offs_d[None, :] * s_ad, mask=m2 & has_ctx,
+                 other=0.0).to(tl.float32)
+    o = (oa * (wa * inv)[:, None]) + (ob * (wb * inv)[:, None])
+    tl.store(out_ptr + tok[:, None] * s_ot + h * s_oh + offs_d[None, :] * s_od, o.to(out_ptr.dtype.element_ty),
+             mask=m2)
+
+
+def merge_attention_states(a, a_lse, b, b_lse, query_start_loc, context_lens, *, out, width: int,
+                           request_mask: Optional[torch.Tensor] = None, num_reqs: Optional[int] = None):
+    """Two attention results over disjoint key sets merged by log-sum-exp, per request: ``a``
+    ``[T, Hq, D]`` with ``a_lse`` float32 ``[Hq, >= T]`` (a FlashAttention context pass: rows of
+    requests with ``context_lens == 0`` are ignored), ``b``/``b_lse`` the same (the tree pass:
+    ``tree_attention_merge(..., None, None, return_lse=True)``); the rows of request r
+    (``query_start_loc``, at most ``width``) of ``out`` are written where ``request_mask`` is set,
+    other rows are left as they are. One launch, grid (B, Hq, cdiv(width, 16)); device work only."""
+    T, Hq, D = a.shape
+    B = query_start_loc.shape[0] - 1 if num_reqs is None else int(num_reqs)
+    for name, t in (("b", b), ("out", out)):
+        if t.shape != a.shape or t.device != a.device:
+            raise _err(name, f"must have a's shape {tuple(a.shape)} on {a.device}")
+    for name, t in (("a_lse", a_lse), ("b_lse", b_lse)):
+        if t.ndim != 2 or t.shape[0] != Hq or t.shape[1] < T or t.dtype != torch.float32:
+            raise _err(name, f"must be float32 [num_q_heads={Hq}, >= {T}]")
+    if B > 0 and T > 0:
+        bw = min(16, max(2, triton.next_power_of_2(int(width))))
+        _merge_states_kernel[(B, Hq, triton.cdiv(int(width), bw))](
+            a, a_lse, b, b_lse, out, query_start_loc, context_lens,
+            request_mask if request_mask is not None else context_lens,
+            *a.stride(), *a_lse.stride(), *b.stride(), *b_lse.stride(), *out.stride(), int(width),
+            HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)),
+            BLOCK_W=bw, HAS_REQ_MASK=request_mask is not None,
+            num_warps=4)
+    return out
+
+
 class TreeAttentionError(ValueError):
     """A tree-attention argument is malformed (metadata checks only; never reads device data)."""
 

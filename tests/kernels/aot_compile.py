@@ -189,6 +189,12 @@ def tree_step_variants():
     yield "move_rows hidden+positions", KC._move_rows_kernel, MOVE_PTRS, dict(
         slot_ptr=None, count_ptr=None, tree_ptr=None, X=4096, NE=4096, ELT=tl.int16, BLOCK_W=64, CHUNK=1024,
         VPP=1, HAS_SLOTS=False, HAS_POS=True, HAS_COUNTS=False), 0
+    for out_t, rmask in (("*bf16", True), ("*bf16", False)):  # the FULL-graph path's lse merge (two streams)
+        yield f"merge_states out={out_t[1:]} req_mask={rmask}", TA._merge_states_kernel, dict(
+            a_ptr="*bf16", a_lse_ptr="*fp32", b_ptr="*fp32", b_lse_ptr="*fp32", out_ptr=out_t, qsl_ptr="*i32",
+            ctx_len_ptr="*i32", req_mask_ptr="*i1", **{s: "i32" for s in (
+                "s_at", "s_ah", "s_ad", "s_lh", "s_lt", "s_bt", "s_bh", "s_bd", "s_blh", "s_blt", "s_ot", "s_oh",
+                "s_od", "W")}), dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_W=16, HAS_REQ_MASK=rmask), 0
     for pt, W in (("*i64", 17), ("*i64", 65), ("*i32", 257)):
         nw = (W + 31) // 32
         yield f"ancestor_rows {pt[1:]} W={W}", TA._ancestor_rows_kernel, dict(

@@ -21,7 +21,8 @@ def test_benchmark_script_smoke(tmp_path):
     res = json.loads(out.read_text())
     assert res["ok"] and len(res["checks"]) == 5 and all(c["ok"] for c in res["checks"])
     assert [c for c in res["checks"] if "chain" in c["check"]][0]["chain_ref_vs_causal"] < 1e-5
-    assert res["rows"] and all("one_kernel" in row and "tree_fa3_merge" in row for row in res["rows"])
+    assert res["rows"] and all("one_kernel" in row and "tree_fa3_merge" in row and "tree_conc" in row for row in res["rows"])
+    assert all(row["conc_maxdiff"] < 2e-2 for row in res["rows"])  # the two-pass form == the fused merge (bf16)
     assert res["compaction"] and all("compact_us" in c for c in res["compaction"])
 
 

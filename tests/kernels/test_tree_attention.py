@@ -15,6 +15,7 @@ from _tree_step_cases import make_case
 from ddtree_patcher.kernels import (
     causal_attention_ref,
     context_attention_ref,
+    merge_attention_states,
     tree_attention,
     tree_attention_merge,
     tree_attention_ref,
@@ -69,6 +70,33 @@ def test_tree_pass_merged_with_context_pass(ctx, n, Hq, Hkv, D, bs, dtype, layou
                                     return_lse=True)
     assert out is ctx_out and lse is ctx_lse
     _close(out, ref, c, dtype, lse, rlse)
+
+
+@pytest.mark.parametrize("ctx,n,Hq,Hkv,D,bs,dtype,layout", CASES[:5])
+def test_context_and_tree_passes_merged_by_lse(ctx, n, Hq, Hkv, D, bs, dtype, layout):
+    """The two-pass form (the tree pass alone, which does not wait for the context pass, then
+    ``merge_attention_states``) == the dense reference; rows of a masked-off request and rows
+    past the last request keep what ``out`` held; an empty context's NaN rows are never read."""
+    c = make_case(ctx, n, Hq=Hq, Hkv=Hkv, D=D, bs=bs, dtype=dtype, layout=layout, seed=9)
+    ref, _ = tree_attention_ref(*_args(c))
+    ctx_out, ctx_lse = context_attention_ref(*_args(c)[:6], c.scale)
+    t_out, t_lse = tree_attention_merge(*_args(c), None, None, return_lse=True)
+    W = c.ancestor_mask.shape[1]
+    out = torch.full_like(c.q, 123.0)
+    merge_attention_states(ctx_out, ctx_lse, t_out, t_lse, c.query_start_loc, c.context_lens, out=out, width=W)
+    _close(out, ref, c, dtype)
+    B = len(ctx)
+    keep = torch.tensor([r % 2 == 0 for r in range(B)])
+    out2 = torch.full_like(c.q, 123.0)
+    merge_attention_states(ctx_out, ctx_lse, t_out, t_lse, c.query_start_loc, c.context_lens, out=out2, width=W,
+                           request_mask=keep, num_reqs=B)
+    qsl = c.query_start_loc.tolist()
+    for r in range(B):
+        rows = slice(qsl[r], qsl[r + 1])
+        if keep[r]:
+            _close(out2, ref, c, dtype, rows=rows)
+        else:
+            assert bool((out2[rows] == 123.0).all())
 
 
 def test_tree_pass_alone_is_attention_over_the_tree():
