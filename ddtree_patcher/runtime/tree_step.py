@@ -66,6 +66,11 @@ TREE_STEP_ABI = 4  # the call-site <-> runtime contract; bump on any incompatibl
 # capture, for FULL decode graphs; 4: the V2 runner's sites, check_v2_runner instead of refuse_v2)
 ENV_ENABLE = "DDTREE_PATCH_ENABLE"
 ENV_TREE_STREAM = "DDTREE_PATCH_TREE_STREAM"  # "0": no second stream for the tree pass in FULL graphs (A/B)
+# The second stream pays where FA3's context pass leaves the GPU idle: measured on the H200 (Qwen3-8B
+# attention shape, ctx 1K, in-graph): B = 1 saves 3-4.5 µs per layer, B = 8 is within +-1 µs, B = 32
+# loses 2-9 µs (the context pass fills the GPU; the extra merge launch remains). FULL graphs are
+# captured per padded batch size, so each capture takes the faster form.
+STREAM_MAX_REQS = 8
 ATTR = "ddtree_tree_step"  # on the runner, and on the attention impls of the target layers
 MARK = "# ddtree-patch: ddtree-tree-step"
 # Files that carry the call sites (relative to the directory holding the ``vllm`` package).
@@ -264,9 +269,10 @@ class TargetTreeStep:
     """Per-runner state of the tree-shaped target step (persistent across steps)."""
 
     v2 = False  # the V2 runner (set in __init__; a step made with __new__ is V1's)
-    # FULL decode graphs: the tree pass runs on this stream beside FA3's context pass (captured as a
-    # fork and a join), then merge_attention_states; None: the tree pass after the context pass,
-    # the merge fused (tree_attention_merge), as in eager and PIECEWISE steps
+    # FULL decode graphs of at most STREAM_MAX_REQS requests: the tree pass runs on this stream beside
+    # FA3's context pass (captured as a fork and a join), then merge_attention_states; otherwise (and
+    # None): the tree pass after the context pass, the merge fused (tree_attention_merge), as in eager
+    # and PIECEWISE steps
     side_stream = None
 
     def __init__(self, runner):
@@ -716,7 +722,7 @@ class TargetTreeStep:
             dims = tree_attention_dims(q, key_cache, value_cache, md.block_table, qsl, ctx, anc,
                                        num_reqs=B, request_mask=req)
             two = None
-            if graph and self.side_stream is not None:  # the tree pass's own output and lse (float32)
+            if graph and self.side_stream is not None and B <= STREAM_MAX_REQS:  # the tree pass's output, lse
                 two = (torch.empty(q.shape, dtype=torch.float32, device=q.device),
                        torch.empty(H, T, dtype=torch.float32, device=q.device))
             st = self.fa_step = (md, ctx, torch.empty_like(q), dims, key_cache.shape, key_cache.stride(), B, anc, req,
