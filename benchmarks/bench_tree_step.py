@@ -548,12 +548,30 @@ def bench_compaction(dev, B, n, walk, H, D, hidden, layers_n, timer):
     gat = K.RowGatherer([h])
     row = dict(B=B, n=n, walk=walk, layers=layers_n, mean_accepted=nacc.float().mean().item(),
                max_accepted=int(nacc.max()), hidden=hidden)
+    # the bytes the compaction must move: every accepted depth whose node is not the chain's (j_d != d)
+    col = torch.arange(rows.shape[1], device=rows.device)
+    live = (col[None, :] >= 1) & (col[None, :] <= nacc[:, None].to(col.dtype))
+    moved = int((live & (rows.to(torch.int64) != st.qsl[:-1, None].to(torch.int64) + col[None, :])).sum())
+    row["moved_rows"] = moved
+    row["moved_bytes"] = moved * layers_n * 2 * H * D * layers[0].phys.element_size()  # K and V, every layer
     f = lambda: comp(st.slot_mapping, st.qsl, rows, nacc)  # noqa: E731
     g = lambda: gat(st.qsl, rows, nacc, positions=pos)  # noqa: E731
     row["compact_us"], row["compact_seq_us"] = timer([f]), timer([f] * SEQ)
     row["gather_us"], row["gather_seq_us"] = timer([g]), timer([g] * SEQ)
     del layers
     return row
+
+
+def copy_bandwidth(dev, timer, nbytes=1 << 30):
+    """Device copy bandwidth (bytes read + written per second) of a 1 GiB ``copy_`` timed like the rows: the
+    compaction's floor is its moved bytes, read once and written once, at this rate."""
+    if dev.type != "cuda":
+        return None
+    a = torch.empty(nbytes // 2, dtype=torch.int16, device=dev)
+    b = torch.empty_like(a)
+    us = timer([lambda: b.copy_(a)])
+    del a, b
+    return 2 * nbytes / (us * 1e-6)
 
 
 def launch_floor(dev, timer):
@@ -703,9 +721,15 @@ def main():
         log(f"[check] done ({time.time() - t_start:.1f}s)")
     if comp_cfg:
         results["launch_floor"] = launch_floor(dev, timer)
+        results["copy_bytes_per_s"] = copy_bandwidth(dev, timer)
     for B, n, walk in comp_cfg:
         try:
             results["compaction"].append(bench_compaction(dev, B, n, walk, Hkv, D, hidden, layers_n, timer))
+            bw = results["copy_bytes_per_s"]
+            if bw:  # the copy floor: the moved bytes read and written once at the measured copy rate
+                c = results["compaction"][-1]
+                c["copy_floor_us"] = 2 * c["moved_bytes"] / bw * 1e6
+                c["x_copy_floor"] = c["compact_seq_us"] / c["copy_floor_us"] if c["copy_floor_us"] else None
             log(f"[bench] compaction {results['compaction'][-1]}")
         except Exception:  # noqa: BLE001
             results["compaction"].append(dict(B=B, n=n, walk=walk, error=traceback.format_exc()[-2500:]))
@@ -780,6 +804,8 @@ def print_table(res):
             f"{_f(r.get('one_kernel'))} {_f(r.get('ratio_one_kernel'), 6, 2)} | {_f(r.get('tree_2pass'))} "
             f"{_f(r.get('tree_conc'))} {_f(r.get('ratio_conc'), 6, 2)} {_g(r.get('conc_maxdiff'))} | {r['sets']}")
     fl = res.get("launch_floor")
+    if res.get("copy_bytes_per_s"):
+        log(f"copy bandwidth (1 GiB copy_, read + write): {res['copy_bytes_per_s'] / 1e12:.2f} TB/s")
     if fl:
         log(f"compaction: µs per call in a graph of {SEQ} calls (one call per replay in brackets; a one-element "
             f"kernel: {fl['seq_us']:.1f} ({fl['us']:.1f}))")
@@ -787,10 +813,12 @@ def print_table(res):
         if "error" in c:
             log(f"compaction B={c['B']} n={c['n']}: ERROR")
             continue
+        floor = (f"; {c['moved_rows']} rows moved, {c['moved_bytes'] / 1e6:.1f} MB: copy floor "
+                 f"{c['copy_floor_us']:.1f} µs, {c['x_copy_floor']:.2f}x") if c.get("copy_floor_us") else ""
         log(f"compaction B={c['B']} n={c['n']} walk {c.get('walk', 'random')} {c['layers']} layers (mean a "
             f"{c['mean_accepted']:.1f}, max {c['max_accepted']}): {c.get('compact_seq_us', float('nan')):.1f} "
             f"({c['compact_us']:.1f}) µs; drafter rows [{c['hidden']}] + positions: "
-            f"{c.get('gather_seq_us', float('nan')):.1f} ({c['gather_us']:.1f}) µs")
+            f"{c.get('gather_seq_us', float('nan')):.1f} ({c['gather_us']:.1f}) µs{floor}")
     for s in res["skipped"]:
         log(f"skipped (time budget): B={s['B']} n={s['n']} ctx={s['ctx']}")
     rat = [r["ratio"] for r in res["rows"] if "ratio" in r]
