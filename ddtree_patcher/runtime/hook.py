@@ -352,21 +352,24 @@ class TreeStep:
         import torch
 
         B = len(req_ids)
-        has = np.zeros(B, dtype=bool)
-        offsets = np.cumsum([0] + [a.numel() for a in self._att])
+        offsets = [0]
+        for a in self._att:
+            offsets.append(offsets[-1] + a.numel())
         base = offsets[-1]  # after the parents: -1, 0, 1, ..., width - 2 (the sentinel, then a chain's)
-        idx = np.full((B, width), base, dtype=np.int64)
-        for r, (rid, n) in enumerate(zip(req_ids, num_draft)):
+        start, count, chain = [0] * B, [0] * B, [0] * B  # per row: first parent's index, nodes; chain nodes
+        for r, (rid, n) in enumerate(zip(req_ids, num_draft)):  # host values only: no numpy call per row
             where = self._where.get(rid)
             n = min(int(n), width - 1)
             if where is None or n <= 0:
-                c = min(int(chain_nodes[r]), width - 1) if chain_nodes is not None else 0
-                if c > 0:
-                    idx[r, 1:c + 1] = base + 1 + np.arange(c)
-                continue
-            k, row = where
-            idx[r, 1:n + 1] = offsets[k] + row * self._att[k].shape[1] + np.arange(n)
-            has[r] = True
+                chain[r] = min(int(chain_nodes[r]), width - 1) if chain_nodes is not None else 0
+            else:
+                k, row = where
+                start[r], count[r] = offsets[k] + row * self._att[k].shape[1], n
+        count_np = np.asarray(count, dtype=np.int64)[:, None]
+        has = count_np[:, 0] > 0
+        j = np.arange(width, dtype=np.int64)[None, :]
+        idx = np.where((j >= 1) & (j <= count_np), np.asarray(start, dtype=np.int64)[:, None] + j - 1,
+                       np.where((j >= 1) & (j <= np.asarray(chain, dtype=np.int64)[:, None]), base + j, base))
         flat = [a.reshape(-1).to(torch.int64) for a in self._att]
         src = torch.cat(flat + [torch.arange(-1, width - 1, dtype=torch.int64, device=self.device)])
         return src, idx, has

@@ -238,3 +238,40 @@ def test_pending_parents_masks_rows_without_a_tree_as_chains():
     assert par.tolist() == [[-1, 0, 0, 1, 2], [-1, 0, 1, 2, 3], [-1, 0, 1, 1, -1], [-1, 0, 1, -1, -1]]
     par, has = h.pending_parents(ids, nd, 5)
     assert par.tolist()[1] == [-1] * 5 and par.tolist()[3] == [-1] * 5 and has.tolist() == [True, False, True, False]
+
+
+def test_pending_index_equals_a_per_row_loop():
+    """``pending_index`` builds its gather index with array ops (no numpy call per row): the same
+    index as the per-row loop it replaced, over several attachments, rows without a tree, zero
+    drafts, more drafts than the width and chain rows."""
+    import numpy as np
+
+    from ddtree_patcher.runtime import hook
+
+    rng = np.random.default_rng(5)
+    for trial in range(20):
+        h = hook.TreeStep.__new__(hook.TreeStep)
+        h.device = torch.device("cpu")
+        h._att = [torch.zeros(int(rng.integers(1, 4)), int(rng.integers(1, 9)), dtype=torch.int32) for _ in range(3)]
+        B = int(rng.integers(1, 9))
+        ids = [f"r{i}" for i in range(B)]
+        h._where = {rid: (k, int(rng.integers(0, h._att[k].shape[0])))
+                    for rid in ids if (k := int(rng.integers(0, 4))) < 3}
+        nd = [int(rng.integers(0, 12)) for _ in ids]
+        width = int(rng.integers(2, 10))
+        chain = [int(rng.integers(0, 12)) for _ in ids] if trial % 2 else None
+        src, idx, has = h.pending_index(ids, nd, width, chain_nodes=chain)
+        offsets = np.cumsum([0] + [a.numel() for a in h._att])
+        want = np.full((B, width), offsets[-1], dtype=np.int64)
+        want_has = np.zeros(B, dtype=bool)
+        for r, (rid, n) in enumerate(zip(ids, nd)):
+            where, n = h._where.get(rid), min(n, width - 1)
+            if where is None or n <= 0:
+                c = min(chain[r], width - 1) if chain is not None else 0
+                want[r, 1:c + 1] = offsets[-1] + 1 + np.arange(c)
+                continue
+            k, row = where
+            want[r, 1:n + 1] = offsets[k] + row * h._att[k].shape[1] + np.arange(n)
+            want_has[r] = True
+        assert np.array_equal(idx, want) and np.array_equal(has, want_has), trial
+        assert src.shape[0] == offsets[-1] + width

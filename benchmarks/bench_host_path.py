@@ -1,0 +1,224 @@
+#!/usr/bin/env python3
+"""Host time of the DDTree runtime's per-step calls, without vLLM (issue 14: host-bound V1 steps).
+
+In the engine (bench_ddtree_step.py) a V1 step at B = 1 can be host bound, and the tree step's
+prepare then sits on the critical path. This script times the same runtime calls on the device
+with synthetic inputs and nothing else in the process: each call's host time (``perf_counter``,
+the GPU drained before every call, so nothing waits on a full launch queue), median over
+``--iters`` calls, for B in ``--batch`` and budgets N in ``--budget``:
+
+=================  ===========================================================================
+``attach``         ``TreeStep.attach`` (the proposer hands the batch's trees to the channel)
+``prepare``        ``TargetTreeStep._prepare`` (V1's ``prepare`` body: ``pending_index`` +
+                   ``set_plan_parents``: ancestor rows, depth positions, one index upload)
+``pending_index``  its first part alone
+``route``          ``TreeStep.route`` + ``account`` (the walk's host routing)
+``tree_tensors``   ``TreeStep.tree_tensors(depths=False)`` (the V1 walk's index arrays)
+``verify``         ``TreeStep.verify`` (the tree walk kernel, greedy)
+``upload_many``    ``hook.upload_many`` of the prepare's nine index arrays
+``build_tree``     ``kernels.build_tree`` on bf16 logits ``[B, L, V]`` (the proposer's builder)
+``triton_launch``  one launch of a one-program Triton kernel with 8 arguments (the floor of any
+                   Triton call on this host)
+``torch_op``       one ``Tensor.add_`` on a device tensor (the floor of any torch call)
+=================  ===========================================================================
+
+Prints a table and ``HOST-PATH-BENCH ok``; ``--out`` (default ``$OUT/bench_host_path.json``).
+``--smoke``: CPU, tiny shapes (the tree step's CPU path, the references), for the CPU test. From
+the repository root, on the GPU: ``PYTHONPATH=. python benchmarks/bench_host_path.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import sys
+import time
+import types
+
+SMOKE = "--smoke" in sys.argv
+if SMOKE:
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from ddtree_patcher.runtime import hook, tree_step  # noqa: E402
+
+
+def _params():
+    """A SamplingParams stand-in with what ``parity_v1.params_reason`` reads: greedy, tree-ok."""
+    return types.SimpleNamespace(logprobs=None, logprob_token_ids=None, presence_penalty=0.0,
+                                 frequency_penalty=0.0, repetition_penalty=1.0, bad_words=None,
+                                 _bad_words_token_ids=None, min_tokens=0, thinking_token_budget=None,
+                                 structured_outputs=None, guided_decoding=None)
+
+
+def random_parents(B, n, gen):
+    """Best-first-like trees: node j's parent is j - 1 with probability 0.6, else a random earlier node."""
+    par = np.zeros((B, n), dtype=np.int32)
+    for b in range(B):
+        for j in range(1, n + 1):
+            par[b, j - 1] = j - 1 if gen.random() < 0.6 else gen.integers(0, j)
+    return par
+
+
+class Case:
+    """One batch of B decode requests with N-node trees: the hook's TreeStep and a V1 tree step."""
+
+    def __init__(self, dev, B, N, ctx=1024, seed=0):
+        gen = np.random.default_rng(seed)
+        self.B, self.N, self.dev = B, N, dev
+        self.req_ids = [f"req-{i}" for i in range(B)]
+        runner = types.SimpleNamespace(
+            device=dev, speculative_config=types.SimpleNamespace(num_speculative_tokens=N), max_num_reqs=max(B, 8),
+            requests={r: types.SimpleNamespace(sampling_params=_params()) for r in self.req_ids})
+        self.hk = hook.TreeStep(runner, "V1")
+        self.parents = torch.from_numpy(random_parents(B, N, gen)).to(dev)
+        self.nd = [N] * B
+        self.nsched = [N + 1] * B
+        self.T = B * (N + 1)
+        self.positions = torch.arange(self.T, dtype=torch.int64, device=dev) + ctx
+        st = tree_step.TargetTreeStep.__new__(tree_step.TargetTreeStep)
+        st._init_state()
+        st.device, st.hook, st.graph_bufs = dev, self.hk, None
+        self.st = st
+        self.draft = torch.randint(0, 1000, (B * N,), dtype=torch.int32, device=dev)
+        self.cu = torch.arange(1, B + 1, dtype=torch.int32, device=dev) * N
+        self.argmax = torch.randint(0, 1000, (self.T,), dtype=torch.int64, device=dev)
+        self.arrays = [np.arange(B * N)] * 8 + [np.zeros((B, N + 1), np.int64)]
+
+    def attach(self):
+        self.hk.attach(self.req_ids, self.parents)
+
+    def fresh(self):
+        """A channel holding only this step's trees (as after the walk consumed the last step's)."""
+        self.hk._where.clear()
+        self.hk._att.clear()
+        self.attach()
+
+    def prepare(self):
+        self.st._prepare(self.req_ids, self.nd, self.nsched, self.B, self.T, self.positions)
+
+    def pending_index(self):
+        self.hk.pending_index(self.req_ids, self.nd, self.N + 1)
+
+    def route(self):
+        ro = self.hk.route(self.req_ids, self.nd, None)
+        self.hk.account(ro)
+        return ro
+
+    def tree_tensors(self, ro):
+        return self.hk.tree_tensors(ro, depths=False)
+
+    def verify(self, tt):
+        parents = tt[0]
+        return self.hk.verify(self.draft, parents, self.cu, self.N + 1, self.N, target_argmax=self.argmax)
+
+    def upload_many(self):
+        hook.upload_many(self.dev, self.arrays)
+
+
+def host_us(fn, iters, sync, setup=None):
+    """Median host µs of ``fn(setup())`` (``fn()`` without setup), the device drained before each call."""
+    ts = []
+    for i in range(iters + 3):
+        arg = setup() if setup is not None else None
+        sync()
+        t0 = time.perf_counter()
+        fn(arg) if setup is not None else fn()
+        t = (time.perf_counter() - t0) * 1e6
+        if i >= 3:  # the first calls compile / warm caches
+            ts.append(t)
+    sync()
+    return statistics.median(ts)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--batch", type=int, nargs="+", default=None)
+    ap.add_argument("--budget", type=int, nargs="+", default=None)
+    ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--vocab", type=int, default=None)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    dev = torch.device("cpu" if a.smoke or not torch.cuda.is_available() else "cuda:0")  # as vLLM's runner.device
+    batches = a.batch or ([1, 2] if a.smoke else [1, 8, 32])
+    budgets = a.budget or ([4] if a.smoke else [16, 32, 64])
+    iters = a.iters or (5 if a.smoke else 200)
+    V = a.vocab or (64 if a.smoke else 151936)
+    L = 3 if a.smoke else 15
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    from ddtree_patcher import kernels as K
+
+    res = dict(device=torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu", torch=torch.__version__,
+               date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), iters=iters, rows=[], floors={})
+    x = torch.zeros(16, device=dev)
+    res["floors"]["torch_op"] = host_us(lambda: x.add_(1), iters, sync)
+    if dev.type == "cuda":
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def _tiny(a, b, c, d, e, f, g, n, BLOCK: tl.constexpr):
+            i = tl.arange(0, BLOCK)
+            tl.store(a + i, tl.load(b + i, mask=i < n, other=0), mask=i < n)
+
+        bufs = [torch.zeros(16, device=dev) for _ in range(7)]
+        res["floors"]["triton_launch"] = host_us(lambda: _tiny[(1,)](*bufs, 16, BLOCK=16), iters, sync)
+    ok = True
+    for B in batches:
+        for N in budgets:
+            try:
+                c = Case(dev, B, N)
+                row = dict(B=B, N=N)
+                row["attach"] = host_us(lambda _: c.attach(), iters, sync, setup=lambda: c.hk._where.clear())
+                row["pending_index"] = host_us(lambda _: c.pending_index(), iters, sync, setup=c.fresh)
+                row["prepare"] = host_us(lambda _: c.prepare(), iters, sync, setup=c.fresh)
+                row["upload_many"] = host_us(c.upload_many, iters, sync)
+                row["route"] = host_us(lambda _: c.route(), iters, sync, setup=c.fresh)
+
+                def routed():
+                    c.fresh()
+                    return c.route()
+
+                row["tree_tensors"] = host_us(c.tree_tensors, iters, sync, setup=routed)
+                row["verify"] = host_us(c.verify, iters, sync, setup=lambda: c.tree_tensors(routed()))
+                logits = torch.randn(B, L, V, device=dev).to(torch.bfloat16 if dev.type == "cuda" else torch.float32)
+                if dev.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+                    row["build_tree"] = host_us(lambda: K.build_tree(logits, N), iters, sync)
+                row["step_sum"] = sum(row[k] for k in ("attach", "prepare", "route", "tree_tensors", "verify")
+                                      + (("build_tree",) if "build_tree" in row else ()))
+                res["rows"].append(row)
+            except Exception as exc:  # noqa: BLE001
+                import traceback
+
+                res["rows"].append(dict(B=B, N=N, error=traceback.format_exc()[-2000:]))
+                print(res["rows"][-1]["error"], file=sys.stderr)
+                ok = False
+    res["ok"] = ok
+    out = a.out or (os.path.join(os.environ["OUT"], "bench_host_path.json") if os.environ.get("OUT") else None)
+    if out:
+        pathlib.Path(out).write_text(json.dumps(res, indent=1))
+    fl = res["floors"]
+    print(f"{res['device']} | torch {res['torch']} | {res['date']} | host µs per call, median of {iters} "
+          f"(device drained before each call)")
+    print("floors: " + ", ".join(f"{k} {v:.1f}" for k, v in fl.items()))
+    cols = ("attach", "pending_index", "prepare", "upload_many", "route", "tree_tensors", "verify", "build_tree",
+            "step_sum")
+    print(f"{'B':>3} {'N':>3} " + " ".join(f"{k:>13}" for k in cols))
+    for r in res["rows"]:
+        if "error" in r:
+            print(f"{r['B']:>3} {r['N']:>3} ERROR")
+            continue
+        print(f"{r['B']:>3} {r['N']:>3} " + " ".join(f"{r[k]:>13.1f}" if k in r else f"{'-':>13}" for k in cols))
+    print("HOST-PATH-BENCH " + ("ok" if ok else "FAIL"))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
