@@ -16,6 +16,9 @@ the GPU drained before every call, so nothing waits on a full launch queue), med
 ``tree_tensors``   ``TreeStep.tree_tensors(depths=False)`` (the V1 walk's index arrays)
 ``verify``         ``TreeStep.verify`` (the tree walk kernel, greedy)
 ``upload_many``    ``hook.upload_many`` of the prepare's nine index arrays
+``compact``        ``KVCompactor`` over 36 layers' K/V views with the device counters (the
+                   compaction after the walk: its kernel launch and checks)
+``rows``           ``RowGatherer`` on one ``[T, 12288]`` tensor with positions (the drafter rows)
 ``build_tree``     ``kernels.build_tree`` on bf16 logits ``[B, L, V]`` (the proposer's builder)
 ``triton_launch``  one launch of a one-program Triton kernel with 8 arguments (the floor of any
                    Triton call on this host)
@@ -23,6 +26,8 @@ the GPU drained before every call, so nothing waits on a full launch queue), med
 =================  ===========================================================================
 
 Prints a table and ``HOST-PATH-BENCH ok``; ``--out`` (default ``$OUT/bench_host_path.json``).
+``--profile B N``: also cProfile ``--iters`` prepares of that case and print the top functions by
+own time (µs per call), which is where the next host-time cut comes from.
 ``--smoke``: CPU, tiny shapes (the tree step's CPU path, the references), for the CPU test. From
 the repository root, on the GPU: ``PYTHONPATH=. python benchmarks/bench_host_path.py``.
 """
@@ -90,6 +95,27 @@ class Case:
         self.cu = torch.arange(1, B + 1, dtype=torch.int32, device=dev) * N
         self.argmax = torch.randint(0, 1000, (self.T,), dtype=torch.int64, device=dev)
         self.arrays = [np.arange(B * N)] * 8 + [np.zeros((B, N + 1), np.int64)]
+        from ddtree_patcher import kernels as K
+
+        small = dev.type != "cuda"
+        nb = B * ((ctx + N + 1) // 16 + 1) + 1
+        H, X, layers = (2, 8, 2) if small else (8, 256, 36)  # Qwen3-8B: 8 KV heads, K and V of 128 packed
+        self.caches = [torch.zeros(nb, 16, H, X, dtype=torch.bfloat16, device=dev) for _ in range(layers)]
+        self.compactor = K.KVCompactor(self.caches) if hasattr(K, "KVCompactor") else None
+        self.slots = torch.arange(self.T, dtype=torch.int64, device=dev) + 16
+        self.root_ext = torch.arange(B + 1, dtype=torch.int64, device=dev) * (N + 1)
+        acc = gen.integers(0, min(3, N) + 1, size=B)  # a walk result: the root, then a nodes j_1 < ... < j_a
+        rows = np.full((B, N + 1), -1, dtype=np.int32)
+        for b in range(B):
+            path = np.sort(gen.choice(np.arange(1, N + 1), size=int(acc[b]), replace=False))
+            rows[b, :acc[b] + 1] = b * (N + 1) + np.concatenate([[0], path])
+        self.acc = torch.from_numpy(acc.astype(np.int32)).to(dev)
+        rows = torch.from_numpy(rows)
+        self.rows = rows.to(dev)
+        self.tree = torch.ones(B, dtype=torch.bool, device=dev)
+        self.counts = torch.zeros(1 + N + 1, dtype=torch.int64, device=dev)
+        self.hidden = torch.zeros(self.T, 48 if small else 3 * 4096, dtype=torch.bfloat16, device=dev)
+        self.gatherer = K.RowGatherer([self.hidden]) if hasattr(K, "RowGatherer") else None
 
     def attach(self):
         self.hk.attach(self.req_ids, self.parents)
@@ -121,6 +147,13 @@ class Case:
     def upload_many(self):
         hook.upload_many(self.dev, self.arrays)
 
+    def compact(self):
+        self.compactor(self.slots, self.root_ext, self.rows, self.acc, num_reqs=self.B, counts=self.counts,
+                       tree=self.tree)
+
+    def drafter_rows(self):
+        self.gatherer(self.root_ext, self.rows, self.acc, positions=self.positions, num_reqs=self.B)
+
 
 def host_us(fn, iters, sync, setup=None):
     """Median host µs of ``fn(setup())`` (``fn()`` without setup), the device drained before each call."""
@@ -145,6 +178,8 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--vocab", type=int, default=None)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", type=int, nargs=2, metavar=("B", "N"), default=None,
+                    help="cProfile the prepare of this case: the top functions by own time")
     a = ap.parse_args()
     dev = torch.device("cpu" if a.smoke or not torch.cuda.is_available() else "cuda:0")  # as vLLM's runner.device
     batches = a.batch or ([1, 2] if a.smoke else [1, 8, 32])
@@ -188,11 +223,15 @@ def main() -> int:
 
                 row["tree_tensors"] = host_us(c.tree_tensors, iters, sync, setup=routed)
                 row["verify"] = host_us(c.verify, iters, sync, setup=lambda: c.tree_tensors(routed()))
+                kernels_run = dev.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+                if kernels_run and c.compactor is not None:
+                    row["compact"] = host_us(c.compact, iters, sync)
+                    row["rows"] = host_us(c.drafter_rows, iters, sync)
                 logits = torch.randn(B, L, V, device=dev).to(torch.bfloat16 if dev.type == "cuda" else torch.float32)
                 if dev.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
                     row["build_tree"] = host_us(lambda: K.build_tree(logits, N), iters, sync)
-                row["step_sum"] = sum(row[k] for k in ("attach", "prepare", "route", "tree_tensors", "verify")
-                                      + (("build_tree",) if "build_tree" in row else ()))
+                row["step_sum"] = sum(row[k] for k in ("attach", "prepare", "route", "tree_tensors", "verify",
+                                                       "build_tree", "compact", "rows") if k in row)
                 res["rows"].append(row)
             except Exception as exc:  # noqa: BLE001
                 import traceback
@@ -200,6 +239,27 @@ def main() -> int:
                 res["rows"].append(dict(B=B, N=N, error=traceback.format_exc()[-2000:]))
                 print(res["rows"][-1]["error"], file=sys.stderr)
                 ok = False
+    if a.profile:
+        import cProfile
+        import pstats
+
+        c = Case(dev, *a.profile)
+        for _ in range(3):
+            c.fresh()
+            c.prepare()
+        sync()
+        pr = cProfile.Profile()
+        for _ in range(iters):
+            c.fresh()
+            sync()
+            pr.enable()
+            c.prepare()
+            pr.disable()
+        st = pstats.Stats(pr)
+        top = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:25]  # (file, line, fn) -> (cc, nc, tt, ct, ...)
+        res["profile"] = dict(B=a.profile[0], N=a.profile[1], calls=iters, top=[
+            dict(fn=f"{pathlib.Path(k[0]).name}:{k[1]}({k[2]})", own_us=v[2] / iters * 1e6, cum_us=v[3] / iters * 1e6,
+                 calls=v[1] / iters) for k, v in top])
     res["ok"] = ok
     out = a.out or (os.path.join(os.environ["OUT"], "bench_host_path.json") if os.environ.get("OUT") else None)
     if out:
@@ -209,13 +269,19 @@ def main() -> int:
           f"(device drained before each call)")
     print("floors: " + ", ".join(f"{k} {v:.1f}" for k, v in fl.items()))
     cols = ("attach", "pending_index", "prepare", "upload_many", "route", "tree_tensors", "verify", "build_tree",
-            "step_sum")
+            "compact", "rows", "step_sum")
     print(f"{'B':>3} {'N':>3} " + " ".join(f"{k:>13}" for k in cols))
     for r in res["rows"]:
         if "error" in r:
             print(f"{r['B']:>3} {r['N']:>3} ERROR")
             continue
         print(f"{r['B']:>3} {r['N']:>3} " + " ".join(f"{r[k]:>13.1f}" if k in r else f"{'-':>13}" for k in cols))
+    if "profile" in res:
+        pf = res["profile"]
+        print(f"\ncProfile of the prepare, B = {pf['B']}, N = {pf['N']} (µs per prepare; profiling inflates each call):")
+        print(f"{'own':>8} {'cum':>8} {'calls':>6}  function")
+        for t in pf["top"]:
+            print(f"{t['own_us']:>8.1f} {t['cum_us']:>8.1f} {t['calls']:>6.1f}  {t['fn']}")
     print("HOST-PATH-BENCH " + ("ok" if ok else "FAIL"))
     return 0 if ok else 1
 

@@ -37,10 +37,11 @@ def test_host_path_benchmark_smoke(tmp_path):
     route, tree_tensors, verify) on synthetic trees, CPU paths, every row timed."""
     out = tmp_path / "host.json"
     env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="")
-    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_host_path.py"), "--smoke", "--out", str(out)],
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_host_path.py"), "--smoke", "--out", str(out),
+                        "--profile", "2", "4"],
                        env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.rstrip().endswith("HOST-PATH-BENCH ok"), r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads(out.read_text())
-    assert res["ok"] and len(res["rows"]) == 2
+    assert res["ok"] and len(res["rows"]) == 2 and res["profile"]["top"]
     for row in res["rows"]:
         assert all(row[k] > 0 for k in ("attach", "prepare", "route", "tree_tensors", "verify", "upload_many")), row
