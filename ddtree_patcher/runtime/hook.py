@@ -385,8 +385,10 @@ class TreeStep:
         self._ensure(B, int(nd.max(initial=0)))  # the chain source covers every draft
         tree = np.zeros(B, dtype=bool)
         reasons: list[str | None] = [None] * B
-        src_parts = []
-        offsets = np.cumsum([0, self.K] + [a.numel() for a in self._att])  # chain source first
+        src_base = [0] * B  # per row: where its parents start in the source (0: the chain's, 0..K-1)
+        offsets = [0, self.K]  # chain source first
+        for a in self._att:
+            offsets.append(offsets[-1] + a.numel())
         for r, (rid, n) in enumerate(zip(req_ids, [int(x) for x in nd])):
             where = self._where.pop(rid, None)
             if self.chain_as_tree:
@@ -415,14 +417,11 @@ class TreeStep:
                 reason = self.chain_reason(rid)
             if reason is None:
                 tree[r] = True
-                if where is None:
-                    src_parts.append(np.arange(n, dtype=np.int64))  # chain-shaped (chain-as-tree)
-                else:
+                if where is not None:  # else chain-shaped (chain-as-tree): the chain source
                     k, row = where
-                    src_parts.append(offsets[k + 1] + row * self._att[k].shape[1] + np.arange(n))
+                    src_base[r] = offsets[k + 1] + row * self._att[k].shape[1]
             else:
-                reasons[r] = reason
-                src_parts.append(np.arange(n, dtype=np.int64))  # the chain, for the buffers
+                reasons[r] = reason  # the chain, for the buffers
         # Requests without draft tokens go with the others: through vLLM's sampler when it runs
         # anyway (exact parity), through the walk only in an all-tree step.
         drafted = nd > 0
@@ -431,7 +430,8 @@ class TreeStep:
         tree[~drafted] &= walk_any and not chain_any
         ro = Routing()
         ro.B, ro.num_draft, ro.tree, ro.reasons = B, nd, tree, reasons
-        ro.src = np.concatenate(src_parts) if src_parts else np.zeros(0, np.int64)
+        first = np.cumsum(nd) - nd  # each row's first flat draft index
+        ro.src = np.repeat(np.asarray(src_base, dtype=np.int64) - first, nd) + np.arange(int(nd.sum()), dtype=np.int64)
         ro.maxn = int(nd.max(initial=0))
         ro.ND = int(nd.sum())
         ro.T = ro.ND + B
