@@ -332,22 +332,16 @@ class TreeStep:
         k, row = where
         return self._att[k][row, :n]
 
-    def pending_parents(self, req_ids: Sequence[str], num_draft: Sequence[int], width: int, *,
-                        chain_nodes: Sequence[int] | None = None):
-        """Parents of the pending trees of a batch in one device gather: ``(parents, has)`` with
-        ``parents`` int64 ``[len(req_ids), width]`` on the device (column j = node j's local
-        parent; -1 for the root column, past a request's ``num_draft`` nodes and on rows without
-        a pending tree) and ``has`` a host bool array (row has a tree). ``chain_nodes`` (per row):
-        rows without a tree get a chain of that many nodes instead (node j's parent j - 1).
-        Reads no device data on the host; does not consume the trees (the walk does)."""
-        src, idx, has = self.pending_index(req_ids, num_draft, width, chain_nodes=chain_nodes)
-        return src[self.upload(idx)], has
-
     def pending_index(self, req_ids: Sequence[str], num_draft: Sequence[int], width: int, *,
                       chain_nodes: Sequence[int] | None = None):
-        """:meth:`pending_parents` before its gather: ``(src, idx, has)``, ``src`` an int64 device
-        vector and ``idx`` a host int64 ``[len(req_ids), width]`` array, ``parents = src[idx]``
-        (the caller uploads ``idx`` with its other index arrays: one transfer)."""
+        """Parents of the pending trees of a batch as a gather: ``(src, idx, has)``, ``src`` an int64
+        device vector and ``idx`` a host int64 ``[len(req_ids), width]`` array, ``parents =
+        src[idx]`` (column j = node j's local parent; -1 for the root column, past a request's
+        ``num_draft`` nodes and on rows without a pending tree; the caller uploads ``idx`` with its
+        other index arrays: one transfer), ``has`` a host bool array (row has a tree).
+        ``chain_nodes`` (per row): rows without a tree get a chain of that many nodes instead (node
+        j's parent j - 1). Reads no device data on the host; does not consume the trees (the walk
+        does)."""
         import numpy as np
         import torch
 

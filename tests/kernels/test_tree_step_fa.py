@@ -221,22 +221,26 @@ def test_capture_runs_the_graph_path_and_writes_no_buffer():
     assert st.fa_attention(impl, q, k, v, md, out) is False and calls == ["context"]
 
 
-def test_pending_parents_masks_rows_without_a_tree_as_chains():
-    """``hook.pending_parents(..., chain_nodes=...)`` (what ``prepare`` asks in a uniform decode
-    step under FULL graphs): rows with a pending tree get its parents, rows without one (chain-
-    verified requests, prefill chunks) a chain of ``chain_nodes`` nodes; without ``chain_nodes``
-    they stay unlinked (-1)."""
+def test_pending_index_masks_rows_without_a_tree_as_chains():
+    """``hook.pending_index(..., chain_nodes=...)`` (what ``prepare`` asks in a uniform decode
+    step under FULL graphs; parents = src[idx]): rows with a pending tree get its parents, rows
+    without one (chain-verified requests, prefill chunks) a chain of ``chain_nodes`` nodes; without
+    ``chain_nodes`` they stay unlinked (-1)."""
     from ddtree_patcher.runtime import hook
+
+    def pending_parents(h, *args, **kw):
+        src, idx, has = h.pending_index(*args, **kw)
+        return src[torch.from_numpy(idx)], has
 
     h = hook.TreeStep.__new__(hook.TreeStep)
     h.device = torch.device("cpu")
     h._att = [torch.tensor([[0, 0, 1, 2], [0, 1, 1, 0]], dtype=torch.int32)]
     h._where = {"a": (0, 0), "c": (0, 1)}
     ids, nd = ["a", "b", "c", "d"], [4, 0, 3, 4]
-    par, has = h.pending_parents(ids, nd, 5, chain_nodes=[4, 4, 4, 2])
+    par, has = pending_parents(h, ids, nd, 5, chain_nodes=[4, 4, 4, 2])
     assert has.tolist() == [True, False, True, False]
     assert par.tolist() == [[-1, 0, 0, 1, 2], [-1, 0, 1, 2, 3], [-1, 0, 1, 1, -1], [-1, 0, 1, -1, -1]]
-    par, has = h.pending_parents(ids, nd, 5)
+    par, has = pending_parents(h, ids, nd, 5)
     assert par.tolist()[1] == [-1] * 5 and par.tolist()[3] == [-1] * 5 and has.tolist() == [True, False, True, False]
 
 
