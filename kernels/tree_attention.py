@@ -241,7 +241,6 @@ def _merge_states_kernel(a_ptr, a_lse_ptr, b_ptr, b_lse_ptr, out_ptr, qsl_ptr, c
     m2 = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
     lb = tl.load(b_lse_ptr + h * s_blh + tok * s_blt, mask=row_ok, other=0.0)
     la = tl.load(a_lse_ptr + h * s_lh + tok * s_lt, mask=row_ok & has_ctx, other=float("-inf"))
-    la = tl.where(has_ctx, la, float("-inf"))
     m = tl.maximum(la, lb)
     m = tl.where(m == float("-inf"), 0.0, m)
     wa = tl.exp2((la - m) * LOG2E)

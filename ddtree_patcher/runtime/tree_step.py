@@ -730,10 +730,8 @@ class TargetTreeStep:
         _, ctx, scratch, dims, kshape, kstride, B, anc, req, two = st
         same = key_cache.shape == kshape and key_cache.stride() == kstride  # the checked layout
         args = (q, key_cache, value_cache, md.block_table, qsl, ctx, anc, impl.scale)
-        main = None
         if two is not None:  # graph path: the tree pass (it reads no context pass) on a second stream
-            main = torch.cuda.current_stream()
-            self.side_stream.wait_stream(main)
+            self.side_stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.side_stream):
                 tree_attention_merge(*args, None, None, out=two[0], lse=two[1], request_mask=req, num_reqs=B,
                                      dims=dims if same else None)
@@ -743,8 +741,8 @@ class TargetTreeStep:
             softmax_scale=impl.scale, causal=False, block_table=md.block_table,
             return_softmax_lse=True, num_splits=getattr(md, "max_num_splits", 0) or 0, fa_version=3)
         o = output[:T].view(T, H, D)
-        if main is not None:
-            main.wait_stream(self.side_stream)
+        if two is not None:
+            torch.cuda.current_stream().wait_stream(self.side_stream)
             merge_attention_states(scratch, lse, two[0], two[1], qsl, ctx, out=o, width=anc.shape[1],
                                    request_mask=req, num_reqs=B)
         else:
