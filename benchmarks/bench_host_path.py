@@ -12,6 +12,10 @@ the GPU drained before every call, so nothing waits on a full launch queue), med
 ``prepare``        ``TargetTreeStep._prepare`` (V1's ``prepare`` body: ``pending_index`` +
                    ``set_plan_parents``: ancestor rows, depth positions, one index upload)
 ``pending_index``  its first part alone
+``expect``         ``TargetTreeStep.expect`` (the look-ahead at the attach: the next step's bit rows
+                   and depths, one launch; on V1 it runs behind the drafter's GPU work)
+``prepare_ahead``  ``_prepare`` of the batch ``expect`` saw (``_prepare_expected``: host checks,
+                   the positions; what V1 now runs where its GPU is idle)
 ``route``          ``TreeStep.route`` + ``account`` (the walk's host routing)
 ``tree_tensors``   ``TreeStep.tree_tensors(depths=False)`` (the V1 walk's index arrays)
 ``verify``         ``TreeStep.verify`` (the tree walk kernel, greedy)
@@ -26,8 +30,9 @@ the GPU drained before every call, so nothing waits on a full launch queue), med
 =================  ===========================================================================
 
 Prints a table and ``HOST-PATH-BENCH ok``; ``--out`` (default ``$OUT/bench_host_path.json``).
-``--profile B N``: also cProfile ``--iters`` prepares of that case and print the top functions by
-own time (µs per call), which is where the next host-time cut comes from.
+``--profile B N``: also cProfile ``--iters`` steps of that case (attach with the look-ahead, prepare,
+route, tree_tensors, verify, compaction, drafter rows) and print the top functions by own time (µs
+per step), which is where the next host-time cut comes from.
 ``--smoke``: CPU, tiny shapes (the tree step's CPU path, the references), for the CPU test. From
 the repository root, on the GPU: ``PYTHONPATH=. python benchmarks/bench_host_path.py``.
 """
@@ -120,11 +125,14 @@ class Case:
     def attach(self):
         self.hk.attach(self.req_ids, self.parents)
 
-    def fresh(self):
-        """A channel holding only this step's trees (as after the walk consumed the last step's)."""
+    def fresh(self, ahead=False):
+        """A channel holding only this step's trees (as after the walk consumed the last step's);
+        ``ahead``: the attach runs the tree step's look-ahead (``expect``), as in the engine."""
         self.hk._where.clear()
         self.hk._att.clear()
+        self.hk.on_attach = self.st.expect if ahead else None
         self.attach()
+        self.hk.on_attach = None
 
     def prepare(self):
         self.st._prepare(self.req_ids, self.nd, self.nsched, self.B, self.T, self.positions)
@@ -179,7 +187,7 @@ def main() -> int:
     ap.add_argument("--vocab", type=int, default=None)
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", type=int, nargs=2, metavar=("B", "N"), default=None,
-                    help="cProfile the prepare of this case: the top functions by own time")
+                    help="cProfile the step's runtime calls of this case: the top functions by own time")
     a = ap.parse_args()
     dev = torch.device("cpu" if a.smoke or not torch.cuda.is_available() else "cuda:0")  # as vLLM's runner.device
     batches = a.batch or ([1, 2] if a.smoke else [1, 8, 32])
@@ -215,6 +223,9 @@ def main() -> int:
                 row["attach"] = host_us(lambda _: c.attach(), iters, sync, setup=lambda: c.hk._where.clear())
                 row["pending_index"] = host_us(lambda _: c.pending_index(), iters, sync, setup=c.fresh)
                 row["prepare"] = host_us(lambda _: c.prepare(), iters, sync, setup=c.fresh)
+                row["expect"] = host_us(lambda _: c.st.expect(c.req_ids, 0), iters, sync, setup=c.fresh)
+                row["prepare_ahead"] = host_us(lambda _: c.prepare(), iters, sync, setup=lambda: c.fresh(ahead=True))
+                assert c.st.expected_steps >= iters, "the look-ahead prepare did not run"
                 row["upload_many"] = host_us(c.upload_many, iters, sync)
                 row["route"] = host_us(lambda _: c.route(), iters, sync, setup=c.fresh)
 
@@ -231,6 +242,8 @@ def main() -> int:
                     row["build_tree"] = host_us(lambda: K.build_tree(logits, N), iters, sync)
                 row["step_sum"] = sum(row[k] for k in ("attach", "prepare", "route", "tree_tensors", "verify",
                                                        "build_tree", "compact", "rows") if k in row)
+                # the same step with the look-ahead: expect at the attach, the short prepare
+                row["step_sum_ahead"] = row["step_sum"] - row["prepare"] + row["expect"] + row["prepare_ahead"]
                 res["rows"].append(row)
             except Exception as exc:  # noqa: BLE001
                 import traceback
@@ -243,16 +256,26 @@ def main() -> int:
         import pstats
 
         c = Case(dev, *a.profile)
-        for _ in range(3):
-            c.fresh()
+
+        def one_step():  # a V1 step's runtime calls with the look-ahead, as the engine makes them
+            c.hk._where.clear()
+            c.hk._att.clear()
+            c.hk.on_attach = c.st.expect
+            c.attach()  # the proposer (with expect)
             c.prepare()
+            c.verify(c.tree_tensors(c.route()))
+            if kernels_run:
+                c.compact()
+                c.drafter_rows()
+
+        for _ in range(3):
+            one_step()
         sync()
         pr = cProfile.Profile()
         for _ in range(iters):
-            c.fresh()
             sync()
             pr.enable()
-            c.prepare()
+            one_step()
             pr.disable()
         st = pstats.Stats(pr)
         top = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:25]  # (file, line, fn) -> (cc, nc, tt, ct, ...)
@@ -267,8 +290,8 @@ def main() -> int:
     print(f"{res['device']} | torch {res['torch']} | {res['date']} | host µs per call, median of {iters} "
           f"(device drained before each call)")
     print("floors: " + ", ".join(f"{k} {v:.1f}" for k, v in fl.items()))
-    cols = ("attach", "pending_index", "prepare", "upload_many", "route", "tree_tensors", "verify", "build_tree",
-            "compact", "rows", "step_sum")
+    cols = ("attach", "pending_index", "prepare", "expect", "prepare_ahead", "upload_many", "route", "tree_tensors",
+            "verify", "build_tree", "compact", "rows", "step_sum", "step_sum_ahead")
     print(f"{'B':>3} {'N':>3} " + " ".join(f"{k:>13}" for k in cols))
     for r in res["rows"]:
         if "error" in r:
@@ -277,7 +300,8 @@ def main() -> int:
         print(f"{r['B']:>3} {r['N']:>3} " + " ".join(f"{r[k]:>13.1f}" if k in r else f"{'-':>13}" for k in cols))
     if "profile" in res:
         pf = res["profile"]
-        print(f"\ncProfile of the prepare, B = {pf['B']}, N = {pf['N']} (µs per prepare; profiling inflates each call):")
+        print(f"\ncProfile of a step's runtime calls, B = {pf['B']}, N = {pf['N']} (µs per step; profiling inflates each "
+              "call):")
         print(f"{'own':>8} {'cum':>8} {'calls':>6}  function")
         for t in pf["top"]:
             print(f"{t['own_us']:>8.1f} {t['cum_us']:>8.1f} {t['calls']:>6.1f}  {t['fn']}")

@@ -130,7 +130,7 @@ def compare(r, ref):
     return out
 
 print(f"{'engine':<16} {'ok':<5} {'vs':<16} {'identical':<9} {'start s':<8} {'gen s':<7} {'hook':<5} {'tree':<5} "
-      f"{'gstep':<5} {'attn':<5} {'moved':<6} {'syncs ours/vLLM':<15} accepted lengths / divergences (pos, ref margin, runner-up)")
+      f"{'gstep':<5} {'ahead':<5} {'attn':<5} {'moved':<6} {'syncs ours/vLLM':<15} accepted lengths / divergences (pos, ref margin, runner-up)")
 bad, summary = [], {}
 for tag, r in res.items():
     ref_tag = ref_of(tag)
@@ -143,7 +143,8 @@ for tag, r in res.items():
     summary[tag] = dict(vs=ref_tag, identical=ident, divergences=cmp)
     print(f"{tag:<16} {str(r.get('ok')):<5} {ref_tag:<16} {f'{ident}/{len(cmp)}' if cmp else '-':<9} "
           f"{str(r.get('engine_start_s')):<8} {str(r.get('generate_s')):<7} {str(hk.get('engaged_steps')):<5} "
-          f"{str(ts.get('tree_steps')):<5} {str(ts.get('graph_steps')):<5} {str(ts.get('attention_calls')):<5} "
+          f"{str(ts.get('tree_steps')):<5} {str(ts.get('graph_steps')):<5} {str(ts.get('expected_steps')):<5} "
+          f"{str(ts.get('attention_calls')):<5} "
           f"{str(ts.get('moved_rows')):<6} "
           f"{(str(r['sync']['ours']) + '/' + str(r['sync']['vllm'])) if r.get('sync') else '-':<15} "
           f"{ts.get('accepted_depths') or ''} {[c for c in cmp if c] if cmp else ''}")

@@ -200,6 +200,8 @@ class Routing:
 class TreeStep:
     """Per-runner tree state: the tree channel (pending trees) and the last step's result."""
 
+    on_attach = None  # called with (req ids, attachment index) after each attach: the tree step's look-ahead
+
     def __init__(self, runner: Any, kind: str):
         import torch
 
@@ -318,6 +320,8 @@ class TreeStep:
         for i, rid in enumerate(req_ids):
             if rid is not None:
                 self._where[rid] = (k, i)
+        if self.on_attach is not None:
+            self.on_attach(req_ids, k)
 
     def detach(self, req_id: str) -> None:
         self._where.pop(req_id, None)

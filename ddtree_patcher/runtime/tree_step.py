@@ -325,6 +325,7 @@ class TargetTreeStep:
             logger.warning("ddtree-patch: cascade attention disabled for DDTree (tree steps need the "
                            "non-cascade attention path)")
         self.hook.post_walk = self.after_walk
+        self.hook.on_attach = self.expect
         if self.speculator is not None:
             self.speculator.__dict__[ATTR] = self  # its propose site (drafter_rows_v2)
         logger.warning("ddtree-patch: tree-shaped target step active (%s %s, %d target layers in %d KV-cache "
@@ -391,10 +392,13 @@ class TargetTreeStep:
         self.node_root = None  # int64 [M]: their roots' rows
         self.node_index = None  # int64 [M]: their local index j
         self.moves = None  # (src rows, dst rows) of the accepted path, after the walk
+        self.expected = None  # (req ids, attachment, its index, bit rows, depths): expect(), for the next prepare
+        self._uniform = {}  # (B, W) -> index tensors of a uniform step (every request 1 + n rows, all trees)
         # counters (host)
         self.tree_steps = 0  # steps with at least one tree request
         self.graph_steps = 0  # uniform decode steps prepared for FULL decode graphs (trees or chains)
         self.tree_requests = 0  # requests scored as trees
+        self.expected_steps = 0  # steps prepared from expect()'s look-ahead (no index upload, no launch)
         self.attention_calls = 0  # layer forwards that ran the tree attention
         self.compactions = 0  # steps whose accepted paths were compacted
         self.moved_rows = 0  # accepted depths whose node was not the chain's (j_d != d): KV rows moved
@@ -528,6 +532,8 @@ class TargetTreeStep:
         self.graph_step = False
         self.moves = None
         self.node_rows = None
+        if self._prepare_expected(req_ids, nd, num_scheduled_tokens, B, total_tokens, positions):
+            return
         if self.graph_bufs is not None:
             Q = self.graph_bufs[2]
             if B and all(int(n) == Q for n in num_scheduled_tokens[:B]):
@@ -544,6 +550,119 @@ class TargetTreeStep:
         src, idx, has = self.hook.pending_index(req_ids, nd, W)  # parents = src[idx], [B, W], -1 = no link
         self.set_plan_parents(B, total_tokens, num_scheduled_tokens,
                               [n if h else 0 for n, h in zip(nd, has)], (src, idx), positions)
+
+    def _ancestor_rows(self, parents, out=None, kernel=False):
+        """(bit rows, depths) of ``parents`` ``[B, W]`` (-1 = no parent): ``kernels.ancestor_rows`` on
+        CUDA, into the FULL graphs' buffer (``out``) and where ``kernel``; on CPU otherwise the same
+        rows by walking up W times (torch ops; no Triton interpreter needed)."""
+        import torch
+
+        if kernel or out is not None or self.cuda:
+            from ddtree_patcher.kernels import ancestor_rows
+
+            return ancestor_rows(parents, out=out)
+        B, W = parents.shape
+        dev = self.device
+        par = torch.where(parents >= 0, parents, torch.arange(W, device=dev).expand(B, W))
+        anc = torch.zeros(B, W, W, dtype=torch.bool, device=dev)
+        cur = torch.arange(W, dtype=torch.int64, device=dev).repeat(B, 1)
+        for _ in range(W):
+            anc.scatter_(2, cur.unsqueeze(-1), True)
+            cur = par.gather(1, cur)
+        return pack_rows(anc), anc.sum(-1) - 1  # depths [B, W]
+
+    # ---- 0. the proposer's attach: the next step's tree metadata, one step ahead --------------
+    def expect(self, req_ids, k: int) -> None:
+        """``TreeStep.attach`` hook: when every row of attachment ``k`` is a tree (DDTree's steady
+        state), its ancestor bit rows and depths are made now, on the device behind the drafter,
+        for a next step that has exactly this batch (same requests in the same order, each 1 + n
+        rows). That step's prepare (:meth:`_prepare_expected`) then checks the batch on the host and
+        writes the positions: no index upload and no launch where V1 has the GPU idle (between the
+        previous step's end and the forward's launch: issue 14's host-bound V1 steps). Anything else
+        takes the general prepare, which does not read what this made."""
+        import torch
+        import torch.nn.functional as F
+
+        self.expected = None
+        if not req_ids or any(rid is None for rid in req_ids):
+            return
+        if self.cuda and torch.cuda.is_current_stream_capturing():
+            return
+        att = self.hook._att[k]
+        W = att.shape[1] + 1
+        graph = self.graph_bufs is not None and self.graph_bufs[2] == W
+        par = F.pad(att, (1, 0), value=-1)  # [B, W]: the root column (-1), then node j's parent
+        anc, depth = self._ancestor_rows(par, kernel=graph)  # as the general prepare computes them
+        self.expected = (list(req_ids), att, k, anc, depth.to(torch.int64))
+
+    def _uniform_plan(self, B: int, W: int):
+        """Index tensors of a step of B tree requests of W rows each (cached per (B, W)), in
+        :meth:`set_plan_parents`'s order: node rows, their roots, their local index, root rows,
+        root rows + T, tree rows, the request mask, the graph buffers' request mask (or None)."""
+        import numpy as np
+        import torch
+
+        from .hook import upload_many
+
+        key = (B, W)
+        plan = self._uniform.get(key)
+        if plan is None:
+            if len(self._uniform) >= 64:
+                self._uniform.clear()
+            root = np.arange(B, dtype=np.int64) * W
+            node_r = np.repeat(np.arange(B, dtype=np.int64), W - 1)
+            node_j = np.tile(np.arange(1, W, dtype=np.int64), B)
+            node_rows = root[node_r] + node_j
+            up = upload_many(self.device, [node_rows, root[node_r], node_j, root, np.append(root, B * W),
+                                           np.concatenate([root, node_rows])])
+            on = torch.ones(B, dtype=torch.bool, device=self.device)
+            req_rows = None
+            if self.graph_bufs is not None:
+                req_rows = torch.zeros_like(self.graph_bufs[1])
+                req_rows[:B] = True
+            plan = self._uniform[key] = (*up, on, req_rows)
+        return plan
+
+    def _prepare_expected(self, req_ids, nd, num_scheduled_tokens, B: int, total_tokens: int, positions) -> bool:
+        """The prepare of a step that is the batch :meth:`expect` saw: its metadata, or False (then
+        the general prepare runs). Equal to what the general prepare makes for that batch
+        (``tests/kernels/test_tree_step_fa.py``)."""
+        exp, self.expected = self.expected, None
+        if exp is None:
+            return False
+        ids, att, k, anc, depth = exp
+        W = depth.shape[1]
+        n = W - 1
+        hook_att, where = self.hook._att, self.hook._where
+        if B != len(ids) or total_tokens != B * W or k >= len(hook_att) or hook_att[k] is not att:
+            return False
+        for i, rid in enumerate(req_ids):
+            if rid != ids[i] or where.get(rid) != (k, i) or int(nd[i]) != n or int(num_scheduled_tokens[i]) != W:
+                return False
+        graph = self.graph_bufs is not None and self.graph_bufs[2] == W
+        (self.node_rows, self.node_root, self.node_index, self.root_rows, self.root_ext, self.tree_rows, on,
+         req_rows) = self._uniform_plan(B, W)
+        if graph:
+            self.ancestor_mask = self.graph_bufs[0][:B]
+            self.ancestor_mask.copy_(anc)
+            self.graph_bufs[1].copy_(req_rows)
+            self.req_mask = self.graph_bufs[1][:B]
+        else:
+            self.ancestor_mask = anc
+            self.req_mask = on
+        if positions is not None:  # node j at its root's position + depth (the root's depth is 0)
+            p = positions[:B * W].view(B, W)
+            p.copy_(p[:, :1] + depth)
+        self.fa_step = None
+        self.all_tree = True
+        self.graph_step = graph
+        self.graph_steps += int(graph)
+        self.B, self.T, self.W = B, B * W, W
+        self.active = True
+        self.tree_steps += 1
+        self.tree_requests += B
+        self.expected_steps += 1
+        return True
 
     def set_plan(self, B: int, T: int, num_scheduled_tokens, trees, positions=None) -> None:
         """This step's tree metadata from ``trees`` [(batch row, n nodes, local parents [n])]
@@ -603,20 +722,7 @@ class TargetTreeStep:
          num_nodes) = up[:8]
         if src is not None:
             parents = src[up[8]].view(B, W)
-        if graph or self.cuda:
-            from ddtree_patcher.kernels import ancestor_rows
-
-            self.ancestor_mask, depth = ancestor_rows(parents, out=self.graph_bufs[0][:B] if graph else None)
-        else:  # CPU: the same rows by walking up W times (torch ops; no Triton interpreter here)
-            dev = self.device
-            par = torch.where(parents >= 0, parents, torch.arange(W, device=dev).expand(B, W))
-            anc = torch.zeros(B, W, W, dtype=torch.bool, device=dev)
-            cur = torch.arange(W, dtype=torch.int64, device=dev).repeat(B, 1)
-            for _ in range(W):
-                anc.scatter_(2, cur.unsqueeze(-1), True)
-                cur = par.gather(1, cur)
-            depth = anc.sum(-1) - 1  # [B, W]
-            self.ancestor_mask = pack_rows(anc)
+        self.ancestor_mask, depth = self._ancestor_rows(parents, out=self.graph_bufs[0][:B] if graph else None)
         if graph:
             torch.gt(num_nodes, 0, out=req_buf)
             self.req_mask = req_buf[:B]
@@ -868,6 +974,7 @@ class TargetTreeStep:
                 if n:
                     self.accepted_depths[a] = self.accepted_depths.get(a, 0) + n
         return {"tree_steps": self.tree_steps, "tree_requests": self.tree_requests, "graph_steps": self.graph_steps,
+                "expected_steps": self.expected_steps,
                 "attention_calls": self.attention_calls, "compactions": self.compactions,
                 "moved_rows": self.moved_rows,
                 "accepted_depths": dict(sorted(self.accepted_depths.items()))}

@@ -287,6 +287,7 @@ def test_end_to_end_vllm_cpu(version, tmp_path, cli):
     assert hk["chain_steps"] == first_step, hk
     assert hk["engaged_steps"] == ts["tree_steps"] == ts["compactions"] >= 8, (hk, ts)
     assert ts["tree_requests"] == hk["tree_requests"] and ts["attention_calls"] == 4 * ts["tree_steps"], ts
+    assert ts["expected_steps"] >= 1, ts  # steady steps prepared from the attach's look-ahead (expect)
     assert drafter["budget"] == 8 and drafter["depth"] == 3 and drafter["chain_rows"] == 0, drafter
     assert ts["moved_rows"] >= 5, ts  # non-first children accepted: the KV and the drafter rows moved
     assert sum(n for a, n in ts["accepted_depths"].items() if int(a) >= 2) > 0, ts  # paths deeper than 1
