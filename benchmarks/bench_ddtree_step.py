@@ -32,6 +32,9 @@ draft          ``GPUModelRunner.propose_draft_token_ids`` (the drafter: its forw
 dd_build       ``DDTreeDrafter.build`` (``build_tree`` on the drafter's logits)
 dd_rows        ``TargetTreeStep.drafter_rows`` (the drafter's context rows along the
                accepted path)
+dd_attach      ``TreeStep.attach`` (the proposer hands the trees over; with it the tree step's
+               look-ahead ``TargetTreeStep.expect``: the next step's bit rows and depths). V1:
+               inside ``draft``; V2: after the speculator's propose
 =============  ==========================================================================
 
 Also per steady step: ``h_<piece>``, the host time (``perf_counter``) of the same call; the tree
@@ -320,6 +323,7 @@ def run_engine(a) -> dict:
             timer.wrap(tree_step.TargetTreeStep, "drafter_rows", "dd_rows")
             timer.wrap(hook.TreeStep, "sample_v1", "dd_walk")
             timer.wrap(ddtree.DDTreeDrafter, "build", "dd_build")
+            timer.wrap(hook.TreeStep, "attach", "dd_attach")
             # the prepare's pieces (inside dd_prepare; not added to "ours" again)
             import ddtree_patcher.kernels as dk
 
@@ -404,15 +408,17 @@ def table(paths, out=None) -> int:
             p, t = per["plain"], per["timed"]
             g = lambda key: t.get(key, 0.0)  # noqa: E731
             step = t.get("gpu_ms") or 0.0
-            draft_fwd = g("draft") - g("dd_build") - g("dd_rows")
-            ours = g("dd_prepare") + g("dd_walk") + g("dd_build") + g("dd_rows")
+            v1 = r.get("runner", "V1") == "V1"
+            draft_fwd = g("draft") - g("dd_build") - g("dd_rows") - (g("dd_attach") if v1 else 0.0)
+            ours = g("dd_prepare") + g("dd_walk") + g("dd_build") + g("dd_rows") + g("dd_attach")
             rest = step - g("forward") - draft_fwd
             rows.append(dict(engine=label(r), mode=r["mode"], runner=r.get("runner", "V1"), B=int(B), k=r["k"], steps=p.get("steps"),
                              step_ms=p.get("wall_ms"), step_q1=p.get("wall_ms_q1"), step_q3=p.get("wall_ms_q3"),
                              timed_ms=t.get("wall_ms"), gpu_ms=step, forward=g("forward"),
                              attn=g("attn"), dd_attn=g("dd_attn"), draft_fwd=draft_fwd, prepare=g("prepare"),
                              dd_prepare=g("dd_prepare"), sample=g("sample"), dd_walk=g("dd_walk"),
-                             dd_compact=g("dd_compact"), dd_build=g("dd_build"), dd_rows=g("dd_rows"), ours=ours,
+                             dd_compact=g("dd_compact"), dd_build=g("dd_build"), dd_rows=g("dd_rows"),
+                             dd_attach=g("dd_attach"), ours=ours,
                              ours_pct=100 * ours / step if step else None,
                              rest_pct=100 * rest / step if step else None,
                              # host time (perf_counter) of the calls, the prepare's pieces, GC
@@ -421,14 +427,14 @@ def table(paths, out=None) -> int:
     rows.sort(key=lambda x: (x["runner"], x["B"], {"nospec": 0, "chain": 1, "ddtree": 2}[x["mode"]], x["k"]))
     f = lambda v, n=2: "-" if v is None else f"{v:.{n}f}"  # noqa: E731
     print(f"{'B':>3} {'engine':<14} {'steps':>5} {'step ms':>8} {'q1-q3':>13} {'timed':>7} {'fwd':>7} {'attn':>6} {'dd_attn':>7} "
-          f"{'drafter':>7} {'sample':>6} {'walk':>6} {'compact':>7} {'build':>6} {'rows':>5} {'prep':>5} "
+          f"{'drafter':>7} {'sample':>6} {'walk':>6} {'compact':>7} {'build':>6} {'rows':>5} {'attach':>6} {'prep':>5} "
           f"{'ours %':>6} {'non-fwd %':>9}")
     for x in rows:
         iqr = f"{f(x['step_q1'], 1)}-{f(x['step_q3'], 1)}"
         print(f"{x['B']:>3} {x['engine']:<14} {x['steps']:>5} {f(x['step_ms']):>8} {iqr:>13} {f(x['timed_ms']):>7} "
               f"{f(x['forward']):>7} {f(x['attn']):>6} {f(x['dd_attn']):>7} {f(x['draft_fwd']):>7} "
               f"{f(x['sample'], 3):>6} {f(x['dd_walk'], 3):>6} {f(x['dd_compact'], 3):>7} {f(x['dd_build'], 3):>6} "
-              f"{f(x['dd_rows'], 3):>5} {f(x['dd_prepare'], 3):>5} {f(x['ours_pct'], 1):>6} {f(x['rest_pct'], 1):>9}")
+              f"{f(x['dd_rows'], 3):>5} {f(x.get('dd_attach'), 3):>6} {f(x['dd_prepare'], 3):>5} {f(x['ours_pct'], 1):>6} {f(x['rest_pct'], 1):>9}")
     dd = [x for x in rows if x["mode"] == "ddtree" and "h_dd_prepare" in x]
     if dd:
         print("\nThe tree step's prepare, ms per step (GPU span / host time of the call; medians, host q1-q3):"
