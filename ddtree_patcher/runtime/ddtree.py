@@ -37,7 +37,8 @@ accepted, never which tokens are emitted.
 
 All of it runs on the device with static shapes: no ``.item()``, ``.tolist()``, ``.cpu()``,
 ``nonzero`` or boolean indexing; the only host work is on host-known data (request ids, the
-per-request tree-ok flags, uploaded with a non-blocking copy).
+per-request tree-ok flags, uploaded with a non-blocking copy when some row is a chain; on V1 a batch
+of trees only is handed over as the builder made it).
 
 **Only where the tree-shaped target step is installed** (issue 13: the ddtree-tree-step patch,
 ``runtime.tree_step``: the V1 runner of the vLLM 0.24.0-0.33.0 shapes with CPU_ATTN, and of the
@@ -342,6 +343,13 @@ class DDTreeDrafter:
         parents = torch.where(ok[:, None], tree_parents, self.chain_parents[None, :])
         return tokens, parents
 
+    def choose(self, ok, tree_tokens, tree_parents, chain_tokens):
+        """:meth:`select` from host flags ``ok``; when every row is a tree (the steady state) the tree
+        tensors as they are: no upload, no select."""
+        if all(ok):
+            return tree_tokens, tree_parents
+        return self.select(self.upload(ok), tree_tokens, tree_parents, chain_tokens)
+
     def upload(self, flags):
         """A host list of bools as a device tensor (pinned, non-blocking: no sync)."""
         import numpy as np
@@ -391,7 +399,7 @@ class DDTreeDrafter:
         runner = self._runner() if self._runner is not None else None
         req_ids = list(runner.input_batch.req_ids[:B])
         step, ok = self._channel(runner, req_ids)
-        tokens, parents = self.select(self.upload(ok), tokens, tree.parents, chain)
+        tokens, parents = self.choose(ok, tokens, tree.parents, chain)  # the builder's tensors: new every step
         self._attach(step, req_ids, ok, parents)
         return tokens
 
@@ -419,6 +427,8 @@ class DDTreeDrafter:
         num_reqs = draft_tokens.shape[0]
         req_ids = list(input_batch.req_ids[:num_reqs])
         step, ok = self._channel(runner, req_ids)
+        # always a select: its output is a new tensor, so the attached trees are not views of the
+        # persistent buffers the next draft graph replay overwrites
         tokens, parents = self.select(self.upload(ok), draft_tokens, self.parents_v2[:num_reqs],
                                       self.chain_v2[:num_reqs])
         self._attach(step, req_ids, ok, parents)
