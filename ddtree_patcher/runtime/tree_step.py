@@ -626,7 +626,7 @@ class TargetTreeStep:
     def _prepare_expected(self, req_ids, nd, num_scheduled_tokens, B: int, total_tokens: int, positions) -> bool:
         """The prepare of a step that is the batch :meth:`expect` saw: its metadata, or False (then
         the general prepare runs). Equal to what the general prepare makes for that batch
-        (``tests/kernels/test_tree_step_fa.py``)."""
+        (``tests/kernels/test_tree_step_expect.py``)."""
         exp, self.expected = self.expected, None
         if exp is None:
             return False
