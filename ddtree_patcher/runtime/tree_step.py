@@ -609,12 +609,8 @@ class TargetTreeStep:
         if plan is None:
             if len(self._uniform) >= 64:
                 self._uniform.clear()
-            root = np.arange(B, dtype=np.int64) * W
-            node_r = np.repeat(np.arange(B, dtype=np.int64), W - 1)
-            node_j = np.tile(np.arange(1, W, dtype=np.int64), B)
-            node_rows = root[node_r] + node_j
-            up = upload_many(self.device, [node_rows, root[node_r], node_j, root, np.append(root, B * W),
-                                           np.concatenate([root, node_rows])])
+            rows, _, _ = plan_rows(np.full(B, W, dtype=np.int64), np.full(B, W - 1, dtype=np.int64), B * W)
+            up = upload_many(self.device, rows)
             on = torch.ones(B, dtype=torch.bool, device=self.device)
             req_rows = None
             if self.graph_bufs is not None:
@@ -696,9 +692,7 @@ class TargetTreeStep:
         from .hook import upload_many
 
         nsched = np.asarray(num_scheduled_tokens[:B], dtype=np.int64)
-        qe = np.cumsum(nsched)
         nd = np.asarray(num_nodes, dtype=np.int64)
-        root_np = qe - 1 - nd  # the root's query row (a verify request: its first row)
         src = None
         if isinstance(parents, tuple):
             src, idx = parents
@@ -706,17 +700,14 @@ class TargetTreeStep:
         else:
             W = int(parents.shape[1])
         tree_req = nd > 0
-        node_r = np.repeat(np.arange(B), nd)  # per node: its request
-        node_j = np.concatenate([np.arange(1, n + 1) for n in nd if n]) if nd.any() else np.zeros(0, np.int64)
-        node_rows_np = root_np[node_r] + node_j
+        rows, node_r, node_j = plan_rows(nsched, nd, T)
         if graph:  # the request mask of every buffer row: on for the B requests, off after them
             req_buf = self.graph_bufs[1]
             nd_rows = np.zeros(req_buf.shape[0], dtype=np.int64)
             nd_rows[:B] = nd
         else:
             nd_rows = nd
-        arrays = [node_rows_np, root_np[node_r], node_j, root_np, np.append(root_np, int(T)),
-                  np.concatenate([root_np[tree_req], node_rows_np]), node_r * W + node_j, nd_rows]
+        arrays = rows + [node_r * W + node_j, nd_rows]
         up = upload_many(self.device, arrays + ([idx] if src is not None else []))
         (self.node_rows, self.node_root, self.node_index, self.root_rows, self.root_ext, self.tree_rows, flat,
          num_nodes) = up[:8]
@@ -1050,6 +1041,22 @@ def _moved_depths(rows, acc):
     j = rows[:, 1:] - rows[:, :1]
     valid = (d[None, :] <= acc[:, None]) & (rows[:, 1:] >= 0)
     return d, j, valid & (j != d[None, :])
+
+
+def plan_rows(nsched, nd, T: int):
+    """Host index arrays of a step's tree plan from the rows per request ``nsched`` and the tree
+    nodes per request ``nd`` (int64 arrays; 0 = no tree; a request's root is ``nd + 1`` rows
+    before its end): ``[node rows, their roots' rows, their local index j, root rows, root rows then
+    T, tree rows (the roots of tree requests, then the nodes)]`` in :meth:`TargetTreeStep.set_plan_parents`'s
+    order, and each node's request and local index."""
+    import numpy as np
+
+    root = np.cumsum(nsched) - 1 - nd  # the root's query row (a verify request: its first row)
+    node_r = np.repeat(np.arange(len(nd)), nd)  # per node: its request
+    node_j = np.concatenate([np.arange(1, n + 1) for n in nd if n]) if nd.any() else np.zeros(0, np.int64)
+    node_rows = root[node_r] + node_j
+    return ([node_rows, root[node_r], node_j, root, np.append(root, int(T)),
+             np.concatenate([root[nd > 0], node_rows])], node_r, node_j)
 
 
 def pack_rows(anc):
