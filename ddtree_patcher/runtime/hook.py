@@ -336,6 +336,14 @@ class TreeStep:
         k, row = where
         return self._att[k][row, :n]
 
+    def _att_starts(self, first: int) -> list[int]:
+        """Where each attachment starts in a flat source of the attachments placed from ``first``
+        on, then the source's end."""
+        starts = [first]
+        for a in self._att:
+            starts.append(starts[-1] + a.numel())
+        return starts
+
     def pending_index(self, req_ids: Sequence[str], num_draft: Sequence[int], width: int, *,
                       chain_nodes: Sequence[int] | None = None):
         """Parents of the pending trees of a batch as a gather: ``(src, idx, has)``, ``src`` an int64
@@ -350,9 +358,7 @@ class TreeStep:
         import torch
 
         B = len(req_ids)
-        offsets = [0]
-        for a in self._att:
-            offsets.append(offsets[-1] + a.numel())
+        offsets = self._att_starts(0)
         base = offsets[-1]  # after the parents: -1, 0, 1, ..., width - 2 (the sentinel, then a chain's)
         start, count, chain = [0] * B, [0] * B, [0] * B  # per row: first parent's index, nodes; chain nodes
         for r, (rid, n) in enumerate(zip(req_ids, num_draft)):  # host values only: no numpy call per row
@@ -384,9 +390,7 @@ class TreeStep:
         tree = np.zeros(B, dtype=bool)
         reasons: list[str | None] = [None] * B
         src_base = [0] * B  # per row: where its parents start in the source (0: the chain's, 0..K-1)
-        offsets = [0, self.K]  # chain source first
-        for a in self._att:
-            offsets.append(offsets[-1] + a.numel())
+        offsets = [0] + self._att_starts(self.K)  # chain source first
         for r, (rid, n) in enumerate(zip(req_ids, [int(x) for x in nd])):
             where = self._where.pop(rid, None)
             if self.chain_as_tree:
