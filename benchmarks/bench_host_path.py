@@ -24,6 +24,10 @@ the GPU drained before every call, so nothing waits on a full launch queue), med
                    compaction after the walk: its kernel launch and checks)
 ``rows``           ``RowGatherer`` on one ``[T, 12288]`` tensor with positions (the drafter rows)
 ``build_tree``     ``kernels.build_tree`` on bf16 logits ``[B, L, V]`` (the proposer's builder)
+``build_fresh``    the same with the first stage's scratch cache emptied before each call (the
+                   builder before the cache: five allocations and a memset more)
+``dd_build``       ``DDTreeDrafter.build`` + ``choose`` of an all-tree batch (the V1 proposer's
+                   device-side calls: builder, token cast, no chain)
 ``triton_launch``  one launch of a one-program Triton kernel with 8 arguments (the floor of any
                    Triton call on this host)
 ``torch_op``       one ``Tensor.add_`` on a device tensor (the floor of any torch call)
@@ -240,6 +244,19 @@ def main() -> int:
                     row["rows"] = host_us(c.drafter_rows, iters, sync)
                     logits = torch.randn(B, L, V, device=dev).to(torch.bfloat16 if dev.type == "cuda" else torch.float32)
                     row["build_tree"] = host_us(lambda: K.build_tree(logits, N), iters, sync)
+                    import importlib
+
+                    bt = importlib.import_module("ddtree_patcher.kernels.build_tree")
+                    row["build_fresh"] = host_us(lambda _: K.build_tree(logits, N), iters, sync,
+                                                 setup=bt._SCRATCH.clear)
+                    t1, t2 = K.build_tree(logits, N), K.build_tree(logits, N)  # cached scratch: same trees
+                    for f in ("tokens", "parents", "depths", "scores", "exact", "lse", "topk_ids"):
+                        assert torch.equal(getattr(t1, f), getattr(t2, f)), f
+                    from ddtree_patcher.runtime.ddtree import DDTreeDrafter
+
+                    dd = DDTreeDrafter("V1", N, L, dev, B)
+                    flat = logits.view(B * L, V)
+                    row["dd_build"] = host_us(lambda: dd.choose([True] * B, *dd.build(flat)[::-1]), iters, sync)
                 row["step_sum"] = sum(row[k] for k in ("attach", "prepare", "route", "tree_tensors", "verify",
                                                        "build_tree", "compact", "rows") if k in row)
                 # the same step with the look-ahead: expect at the attach, the short prepare
@@ -291,7 +308,7 @@ def main() -> int:
           f"(device drained before each call)")
     print("floors: " + ", ".join(f"{k} {v:.1f}" for k, v in fl.items()))
     cols = ("attach", "pending_index", "prepare", "expect", "prepare_ahead", "upload_many", "route", "tree_tensors",
-            "verify", "build_tree", "compact", "rows", "step_sum", "step_sum_ahead")
+            "verify", "build_tree", "build_fresh", "dd_build", "compact", "rows", "step_sum", "step_sum_ahead")
     print(f"{'B':>3} {'N':>3} " + " ".join(f"{k:>13}" for k in cols))
     for r in res["rows"]:
         if "error" in r:

@@ -641,9 +641,41 @@ def _check_chunk(chunk, V, KP):
     return CH
 
 
+_SCRATCH: dict = {}  # (device, stream, rows, NSEG, KP, CS) -> _seg_kernel's scratch, see _seg_scratch
+_SCRATCH_MAX = 64
+
+
+def _seg_scratch(dev, rows, NSEG, KP, CS):
+    """``_seg_kernel``'s scratch (partials, candidate slots, tickets), made once per shape and
+    stream and reused: the kernel only reads what it wrote in the same launch, and leaves the
+    tickets zero, so consecutive launches on one stream can share it. Saves five allocations and
+    the tickets' memset per step (host time on V1's critical path). Inside a CUDA graph capture
+    the scratch is allocated fresh (the graph's own pool, as before) and not cached."""
+    P = rows * NSEG
+    f32 = torch.float32
+    capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    key = None
+    if not capturing:
+        stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
+        key = (dev, stream, rows, NSEG, KP, CS)
+        got = _SCRATCH.get(key)
+        if got is not None:
+            return got
+    got = (torch.empty((P * KP,), dtype=torch.int64, device=dev),
+           torch.empty((P,), dtype=f32, device=dev),
+           torch.empty((P,), dtype=f32, device=dev),
+           torch.empty((P * CS,), dtype=torch.int32, device=dev))
+    got += (torch.zeros((rows,), dtype=torch.int32, device=dev) if NSEG > 1 else got[3],)
+    if key is not None:
+        if len(_SCRATCH) >= _SCRATCH_MAX:
+            _SCRATCH.pop(next(iter(_SCRATCH)))
+        _SCRATCH[key] = got
+    return got
+
+
 def _topk_segments(x, K, KP, active, chunk, chunk_warps):
-    """Stage 1 for K + 1 <= SMALL_KP: ``_seg_kernel``, one launch (plus a 4-byte-per-row memset
-    when a row is split into several segments)."""
+    """Stage 1 for K + 1 <= SMALL_KP: ``_seg_kernel``, one launch (the first call of a shape also
+    zeroes the segment tickets: ``_seg_scratch``)."""
     B, L, V = x.shape
     dev = x.device
     rows = B * L
@@ -667,13 +699,8 @@ def _topk_segments(x, K, KP, active, chunk, chunk_warps):
     if rows == 0:
         return lse, top_lp, top_id
     CS = 16
-    P = rows * NSEG
-    part_key = torch.empty((P * KP,), dtype=torch.int64, device=dev)
-    part_m = torch.empty((P,), dtype=f32, device=dev)
-    part_s = torch.empty((P,), dtype=f32, device=dev)
-    scr = torch.empty((P * CS,), dtype=torch.int32, device=dev)
-    ticket = torch.zeros((rows,), dtype=torch.int32, device=dev) if NSEG > 1 else scr
-    _seg_kernel[(P,)](
+    part_key, part_m, part_s, scr, ticket = _seg_scratch(dev, rows, NSEG, KP, CS)
+    _seg_kernel[(rows * NSEG,)](
         x, active, part_key, part_m, part_s, scr, ticket, top_lp, top_id, lse,
         L, V, x.stride(0), x.stride(1), NSEG, SEG, K,
         U=U, NTHR=NTHR, VEC=VEC, NTP=_next_pow2(triton.cdiv(min(SEG, V), T)), KP=KP, CS=CS,
@@ -763,8 +790,8 @@ def build_tree(
     ``active`` bool [B] (False: the request gets an all-padding tree, e.g. in prefill; pass the
     static max_num_reqs batch with the unused rows False), ``ancestor_mask`` (compute the bit
     rows). Returns a :class:`DraftTree`; no host synchronisation, static shapes; two launches
-    for K + 1 <= 32 (plus a 4-byte-per-row memset when rows are split into segments), three
-    for larger K. Tuning (results do not depend on them): ``chunk`` (vocab entries per stage-1
+    for K + 1 <= 32 (plus, at the first call of a shape, a 4-byte-per-row memset when rows are
+    split into segments), three for larger K. Tuning (results do not depend on them): ``chunk`` (vocab entries per stage-1
     program, a power of two >= 2*next_pow2(K+1)), ``chunk_warps`` (stage-1 warps),
     ``tree_warps``, ``mask_block`` (ancestor rows per step, a power of two).
     """

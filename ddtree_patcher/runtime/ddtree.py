@@ -318,7 +318,7 @@ class DDTreeDrafter:
     # ---- device side: logits -> tokens -------------------------------------------------------
     def build(self, logits):
         """Position logits ``[B * L_eff, V]`` (request-major) -> (tree DraftTree, node tokens
-        ``[B, N]`` int64 with padding -> FILLER_TOKEN, chain tokens ``[B, N]`` int64)."""
+        ``[B, N]`` int64 with padding -> FILLER_TOKEN)."""
         import torch
 
         from ddtree_patcher.kernels import build_tree, build_tree_ref
@@ -329,11 +329,19 @@ class DDTreeDrafter:
         fn = build_tree if _use_kernel(x.device) else build_tree_ref
         tree = fn(x, N, self.topk, ancestor_mask=False)
         tokens = tree.tokens.to(torch.int64).clamp_min(FILLER_TOKEN)
-        spine = tree.topk_ids[:, :, 0].to(torch.int64).clamp_min(FILLER_TOKEN)  # DFlash's argmax
-        chain = torch.full_like(tokens, FILLER_TOKEN)
-        chain[:, :L] = spine
         self.last_tree = tree
-        return tree, tokens, chain
+        return tree, tokens
+
+    def chain_of(self, tree):
+        """DFlash's own drafts from the tree's per-depth top-1 (its argmax): ``[B, N]`` int64, the
+        L_eff drafted positions then FILLER_TOKEN."""
+        import torch
+
+        spine = tree.topk_ids[:, :, 0].to(torch.int64).clamp_min(FILLER_TOKEN)
+        chain = torch.full((spine.shape[0], self.budget), FILLER_TOKEN, dtype=torch.int64,
+                           device=spine.device)
+        chain[:, :self.depth] = spine
+        return chain
 
     def select(self, ok, tree_tokens, tree_parents, chain_tokens):
         """Per row: the tree (``ok[b]``) or the chain. ``ok`` bool ``[B]`` on the device."""
@@ -343,12 +351,12 @@ class DDTreeDrafter:
         parents = torch.where(ok[:, None], tree_parents, self.chain_parents[None, :])
         return tokens, parents
 
-    def choose(self, ok, tree_tokens, tree_parents, chain_tokens):
+    def choose(self, ok, tree_tokens, tree):
         """:meth:`select` from host flags ``ok``; when every row is a tree (the steady state) the tree
-        tensors as they are: no upload, no select."""
+        tensors as they are: no chain, no upload, no select."""
         if all(ok):
-            return tree_tokens, tree_parents
-        return self.select(self.upload(ok), tree_tokens, tree_parents, chain_tokens)
+            return tree_tokens, tree.parents
+        return self.select(self.upload(ok), tree_tokens, tree.parents, self.chain_of(tree))
 
     def upload(self, flags):
         """A host list of bools as a device tensor (pinned, non-blocking: no sync)."""
@@ -394,12 +402,12 @@ class DDTreeDrafter:
     def propose_v1(self, drafter, sample_hidden_states):
         """Where DFlash returns ``argmax(logits).view(-1, L)``: the node tokens ``[B, N]``."""
         logits = drafter.model.compute_logits(sample_hidden_states)
-        tree, tokens, chain = self.build(logits)
+        tree, tokens = self.build(logits)
         B = tokens.shape[0]
         runner = self._runner() if self._runner is not None else None
         req_ids = list(runner.input_batch.req_ids[:B])
         step, ok = self._channel(runner, req_ids)
-        tokens, parents = self.choose(ok, tokens, tree.parents, chain)  # the builder's tensors: new every step
+        tokens, parents = self.choose(ok, tokens, tree)  # the builder's tensors: new every step
         self._attach(step, req_ids, ok, parents)
         return tokens
 
@@ -416,10 +424,10 @@ class DDTreeDrafter:
         ``speculator.draft_tokens[:num_reqs]`` (``[R, N]``) and the parents and the chain into
         persistent buffers (fixed addresses: this runs inside the captured draft graph)."""
         logits = speculator.model.compute_logits(sample_hidden_states)
-        tree, tokens, chain = self.build(logits)
+        tree, tokens = self.build(logits)
         speculator.draft_tokens[:num_reqs] = tokens
         self.parents_v2[:num_reqs] = tree.parents
-        self.chain_v2[:num_reqs] = chain
+        self.chain_v2[:num_reqs] = self.chain_of(tree)
 
     def tokens_v2(self, runner, input_batch, draft_tokens):
         """``GPUModelRunner.sample_tokens``, before ``req_states.draft_tokens[idx_mapping] =

@@ -264,6 +264,27 @@ def test_segment_of_several_tiles_nan_redo_and_merge():
     assert t.topk_ids[0, 0, :3].tolist() == [3 * 4096 + 11, 5, 4096 + 5]
 
 
+def test_scratch_reused_across_calls():
+    """The first stage's scratch is made once per shape and reused (_seg_scratch): consecutive
+    builds of one shape with other logits are still exact, the rows' tickets are zero again after
+    each launch (rows split into segments), and another shape gets its own scratch."""
+    import importlib
+
+    mod = importlib.import_module("ddtree_patcher.kernels.build_tree")
+    g = torch.Generator().manual_seed(29)
+    shape = (2, 3, 200)
+    before = set(mod._SCRATCH)
+    for _ in range(3):
+        _both(torch.randn(*shape, generator=g), 10, 4, chunk=64)  # 4 segments per row
+    new = [k for k in mod._SCRATCH if k not in before]
+    assert len(new) == 1, new
+    scratch = mod._SCRATCH[new[0]]
+    assert scratch[4] is not scratch[3] and not scratch[4].any()  # the tickets, zero again
+    _both(torch.randn(1, 3, 200, generator=g), 10, 4, chunk=64)
+    assert len([k for k in mod._SCRATCH if k not in before]) == 2
+    assert mod._SCRATCH[new[0]] is scratch
+
+
 def test_full_vocab_row():
     g = torch.Generator().manual_seed(5)
     x = torch.randn(1, 2, 151936, generator=g).to(torch.bfloat16)
