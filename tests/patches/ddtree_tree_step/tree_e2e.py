@@ -37,8 +37,9 @@ def release_env(version: str, site: Path) -> tuple[str, str]:
 def engine(tag: str, site: Path, ckpt: Path, log: Path, version: str = "0.28.0", **env) -> dict:
     """One ``run_tree_engine.py`` run (env: its knobs); its RESULT with the log under "log"."""
     python, path = release_env(version, site)
-    e = cpu_env(PYTHONPATH=path, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", ROOT=str(ckpt),
-                TAG=tag, **env)
+    # in-process engine core unless the caller asks for vLLM's default (VLLM_ENABLE_V1_MULTIPROCESSING=1)
+    e = cpu_env(**{"PYTHONPATH": path, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+                   "ROOT": str(ckpt), "TAG": tag, **env})
     with open(log, "w") as fh:
         proc = subprocess.run([python, str(TOOLS / "run_tree_engine.py")], stdout=subprocess.PIPE, stderr=fh,
                               text=True, timeout=600, env=e, cwd=str(log.parent))
