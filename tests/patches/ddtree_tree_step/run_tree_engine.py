@@ -101,7 +101,6 @@ def main() -> None:
         res["n_requests"] = len(prompts)
         sync = os.environ.get("SYNC_DEBUG") == "1"
         if sync:  # CUDA: count host-synchronising calls during generation, by the innermost of our / vLLM's frames
-            import traceback
             import warnings
 
             import torch
