@@ -205,13 +205,15 @@ def bench(B, budgets, L, V, dev, l2, bw, read_bw, knobs, seed):
     """One table block; knobs["seg"] = (tile, maxnreg, programs per SM) overrides the
     segment kernel's module constants for this block (an experiment, not an argument)."""
     seg = knobs.get("seg")
-    saved = (BT.SEG_TILE, BT.SEG_MAXNREG, BT.SEG_CTAS_PER_SM)
+    saved = (BT.SEG_TILE, BT.SEG_MAXNREG, BT.SEG_CTAS_PER_SM, BT.TREE_PRELOAD_MAX)
     if seg:
         BT.SEG_TILE, BT.SEG_MAXNREG, BT.SEG_CTAS_PER_SM = seg
+    if "preload" in knobs:  # the tree kernel's table preload bound (0: off)
+        BT.TREE_PRELOAD_MAX = knobs["preload"]
     try:
         return _bench(B, budgets, L, V, dev, l2, bw, read_bw, knobs, seed)
     finally:
-        BT.SEG_TILE, BT.SEG_MAXNREG, BT.SEG_CTAS_PER_SM = saved
+        BT.SEG_TILE, BT.SEG_MAXNREG, BT.SEG_CTAS_PER_SM, BT.TREE_PRELOAD_MAX = saved
 
 
 def _bench(B, budgets, L, V, dev, l2, bw, read_bw, knobs, seed):
@@ -236,7 +238,8 @@ def _bench(B, budgets, L, V, dev, l2, bw, read_bw, knobs, seed):
                                         tree_warps=knobs.get("tree_warps"))
                  for s in sets], reps_for(floor * 2 + 30))
         t = build_tree(sets[0], n, knobs.get("topk"))
-        row = dict(B=B, n=n, L=L, V=V, K=k, knobs={a: b for a, b in knobs.items() if b},
+        row = dict(B=B, n=n, L=L, V=V, K=k,
+                   knobs={a: b for a, b in knobs.items() if b or a == "preload"},
                    sets=R, build_us=us, stage1_us=stage1_us, tree_stage_us=us - stage1_us,
                    argmax_us=argmax_us, floor_us=floor, x_floor=us / floor,
                    read_floor_us=read_floor, x_read_floor=us / read_floor,
@@ -252,6 +255,62 @@ def _bench(B, budgets, L, V, dev, l2, bw, read_bw, knobs, seed):
     return rows
 
 
+def anatomy(B, L, V, dev, l2, bw):
+    """Where the first stage's time goes: the same grid and segments as ``_seg_kernel``, streaming
+    only (online max and sum of exp, the slot maxima; writes (max, sum) per program), against the
+    whole first stage and two torch reductions over the same bytes."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _stream_only(x_ptr, m_ptr, s_ptr, L, V, stride_b, stride_l, NSEG, SEG,
+                     U: tl.constexpr, NTHR: tl.constexpr, VEC: tl.constexpr):
+        pid = tl.program_id(0)
+        row = pid // NSEG
+        sg = pid - row * NSEG
+        b = row // L
+        l_ = row - b * L
+        row_ptr = x_ptr + b.to(tl.int64) * stride_b + l_.to(tl.int64) * stride_l
+        seg_start = sg * SEG
+        seg_end = tl.minimum(seg_start + SEG, V)
+        OFF = (tl.arange(0, U)[:, None, None] * (NTHR * VEC) + tl.arange(0, NTHR)[None, :, None] * VEC
+               + tl.arange(0, VEC)[None, None, :])
+        G = tl.full([U, NTHR, VEC], float("-inf"), tl.float32)
+        r = tl.full([NTHR], float("-inf"), tl.float32)
+        s = tl.zeros([NTHR], dtype=tl.float32)
+        G, r, s = BT._stream(row_ptr, seg_start, seg_end, OFF, G, r, s, U * NTHR * VEC, False)
+        tl.store(m_ptr + pid, tl.max(tl.max(tl.max(G, axis=2), axis=0), axis=0))
+        tl.store(s_ptr + pid, tl.sum(s, axis=0) + tl.max(r, axis=0))
+
+    R = n_sets(B * L * V * 2, l2)
+    sets = [drafter_logits(B, L, V, dev, 50 + r) for r in range(R)]
+    rows = B * L
+    NTHR, VEC = 128, 8
+    U = BT.SEG_TILE // (NTHR * VEC)
+    T = U * NTHR * VEC
+    SEG = BT._default_segment(rows, V, T, 16, BT._sm_count(dev) * BT.SEG_CTAS_PER_SM)
+    NSEG = triton.cdiv(V, SEG)
+    m = torch.empty(rows * NSEG, dtype=torch.float32, device=dev)
+    sm = torch.empty_like(m)
+
+    def so(x):
+        _stream_only[(rows * NSEG,)](x, m, sm, L, V, x.stride(0), x.stride(1), NSEG, SEG,
+                                     U=U, NTHR=NTHR, VEC=VEC, num_warps=4, maxnreg=BT.SEG_MAXNREG)
+
+    floor = B * L * V * 2 / bw * 1e6
+    reps = reps_for(floor * 2 + 10)
+    row = dict(B=B, nseg=NSEG, tiles_per_seg=SEG // T, floor_us=floor,
+               stream_only_us=graph_time([lambda x=x: so(x) for x in sets], reps),
+               stage1_us=graph_time([lambda x=x: draft_topk(x, 8) for x in sets], reps),
+               amax_us=graph_time([lambda x=x: torch.amax(x, dim=-1) for x in sets], reps),
+               sum_us=graph_time([lambda x=x: torch.sum(x, dim=-1) for x in sets], reps),
+               empty_kernel_us=graph_time([lambda: m.add_(0.0) for _ in sets], reps))
+    log(f"[anatomy] {json.dumps({a: (round(b, 2) if isinstance(b, float) else b) for a, b in row.items()})}")
+    del sets
+    torch.cuda.empty_cache()
+    return row
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="CPU + Triton interpreter, tiny sizes")
@@ -261,6 +320,11 @@ def main():
     ap.add_argument("--vocab", type=int, default=None)
     ap.add_argument("--no-sweep", action="store_true", help="skip the tuning-knob sweep")
     ap.add_argument("--quick", action="store_true", help="a short sweep (K = 16 and 256, warps)")
+    ap.add_argument("--ab", action="store_true",
+                    help="the sweep is the A/B of the tree kernel's table preload (2026-12-02)")
+    ap.add_argument("--anatomy", action="store_true",
+                    help="also time the first stage's streaming alone (no candidate selection, "
+                         "no merge) and torch.amax / torch.sum of the same logits")
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--time-budget", type=float, default=150.0,
                     help="seconds after which the remaining sweep entries are skipped")
@@ -319,6 +383,8 @@ def main():
                      # B = 8 (issue 12's unmet row): more, shorter segments per row than the
                      # default 4 x 10 tiles (chunk = vocab entries per segment)
                      + [(8, [16, 64], dict(chunk=c)) for c in (8192, 16384, 32768)])
+        if args.ab:  # the tree kernel without the table preload (the design before 2026-12-02)
+            sweep = [(b, budgets, dict(preload=0)) for b in batch]
         if smoke:
             sweep = [(1, [16], dict(tree_warps=2, chunk=256, topk=16))]
         for B, bud, knobs in sweep:
@@ -332,6 +398,14 @@ def main():
                 results["sweep"].append(dict(B=B, knobs=knobs, error=traceback.format_exc()[-2000:]))
                 log(results["sweep"][-1]["error"])
                 ok = False
+    if args.anatomy and dev.type == "cuda":
+        results["anatomy"] = []
+        for B in batch:
+            try:
+                results["anatomy"].append(anatomy(B, L, V, dev, l2, copy_bw))
+            except Exception:  # noqa: BLE001  (an experiment: its failure fails nothing else)
+                results["anatomy"].append(dict(B=B, error=traceback.format_exc()[-2000:]))
+                log(results["anatomy"][-1]["error"])
     results["elapsed_s"] = time.time() - t_start
     out = args.out or (os.path.join(os.environ["OUT"], "bench_build_tree.json") if os.environ.get("OUT")
                        else None)

@@ -495,6 +495,7 @@ def _tree_kernel(
     RB: tl.constexpr,
     HAS_ACTIVE: tl.constexpr,
     WRITE_MASK: tl.constexpr,
+    TP: tl.constexpr,  # > 0: touch the whole [L, KP] table first, TP = next_pow2(L * KP)
 ):
     b = tl.program_id(0)
     tb = b.to(tl.int64) * L * KP
@@ -521,6 +522,16 @@ def _tree_kernel(
     maxd = count
     last = count.to(tl.float32) - float("inf")
     go = act & (budget > 0)
+    if TP > 0:
+        # One vector load of each table brings the request's whole top-K table (2 x L x KP x 4
+        # bytes) into L1 before the pops, whose three dependent scalar loads per pop would
+        # otherwise go to L2 whenever they touch a new sector. The condition is always true
+        # (ids are >= -1); it only makes the pops wait for these loads.
+        tq = tl.arange(0, TP)
+        tm = tq < L * KP
+        warm_i = tl.load(id_b + tq, mask=tm, other=0)
+        warm_l = tl.load(lp_b + tq, mask=tm, other=0.0)
+        go = go & ((tl.min(warm_i, axis=0) >= -1) | (tl.max(warm_l, axis=0) > 0.0))
     while go:
         mhi = tl.max(HI, axis=0)
         ok = mhi > ORD_NEG_INF  # σ > -inf (and not the empty sentinel)
@@ -595,6 +606,7 @@ SEG_TILE = 4096  # vocab entries per thread block per step of _seg_kernel
 SEG_CTAS_PER_SM = 4  # _seg_kernel programs resident per SM (4 warps, <= 128 registers)
 SEG_MAXNREG = 128  # register cap: the streaming loop fits; the rare paths may spill
 SEG_MIN_TILES = 4  # tiles per segment at least (the default segmentation)
+TREE_PRELOAD_MAX = 1024  # the tree kernel touches its [L, KP] table first when L * KP <= this (0: never)
 _SM_COUNT: dict = {}
 
 
@@ -820,6 +832,7 @@ def build_tree(
             L, K, n, NW,
             KP=KP, NP=NP, NWP=NWP, RB=RB, HAS_ACTIVE=active is not None,
             WRITE_MASK=ancestor_mask, num_warps=nw,
+            TP=_next_pow2(L * KP) if 0 < L * KP <= TREE_PRELOAD_MAX else 0,
         )
     return DraftTree(tokens, parents, depths, scores, mask, exact, lse, top_lp[..., :K],
                      top_id[..., :K])

@@ -115,7 +115,7 @@ def build_tree_variants():
         yield f"build_tree tree n={n} mask={mask} active={active}", BT._tree_kernel, TREE_PTRS, dict(
             active_ptr="keep" if active else None, mask_ptr="keep" if mask else None, KP=16,
             NP=np_, NWP=nwp, RB=max(1, min(1 << n.bit_length(), 1024 // nwp)), HAS_ACTIVE=active,
-            WRITE_MASK=mask), dict(num_warps=1)
+            WRITE_MASK=mask, TP=256), dict(num_warps=1)
 
 
 def variants():

@@ -249,10 +249,16 @@ def test_exact_certificate():
     _both(x[:4], n, 3)  # the kernel computes the same flags
 
 
-def test_segment_of_several_tiles_nan_redo_and_merge():
+@pytest.mark.parametrize("preload", [1024, 0])
+def test_segment_of_several_tiles_nan_redo_and_merge(monkeypatch, preload):
     """A segment of several 4096-entry tiles (the in-flight prefetch and the masked tail), a NaN
     in one row (the segment is read again sanitised) and the top-K spread over tiles, rows split
-    into two segments (the last one merges)."""
+    into two segments (the last one merges); the tree kernel with and without its table
+    preload."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("ddtree_patcher.kernels.build_tree"),
+                        "TREE_PRELOAD_MAX", preload)
     g = torch.Generator().manual_seed(13)
     x = torch.randn(1, 3, 2 * 4096 + 8200, generator=g).to(torch.bfloat16)
     x[0, 0, 5] = 7.0
