@@ -17,7 +17,7 @@
 # *-v2: the same engines on the V2 runner (--runner V2; tree-step ABI 4). *-1str: DDTREE_PATCH_TREE_STREAM=0
 # (in FULL decode graphs the tree pass runs after FA3's context pass on one stream, merge fused: the A/B
 # of the two-stream form).
-# dd15 / dd31 / dd63: budgets whose 1 + N rows per request are a multiple of 16 (the chain K = 15 has
+# dd15 / dd31 / dd63 (dd63-v2): budgets whose 1 + N rows per request are a multiple of 16 (the chain K = 15 has
 # 16), i.e. the same verify token count as the chain at N = 15 (run 9: the budget-alignment A/B).
 # ONLY="nospec chain dd16" limits the engines; BUDGET (s, default 540) bounds them; finished
 # engines (a RESULT line with "ok": true in $LOGS) are not run again on a warm machine.
@@ -44,7 +44,8 @@ ENGINES=("nospec --mode nospec"
          "dd16-v2   --runner V2 --mode ddtree --depth 15 --budget 16"
          "dd32-v2   --runner V2 --mode ddtree --depth 15 --budget 32"
          "dd64-v2   --runner V2 --mode ddtree --depth 15 --budget 64"
-         "dd15-v2   --runner V2 --mode ddtree --depth 15 --budget 15")
+         "dd15-v2   --runner V2 --mode ddtree --depth 15 --budget 15"
+         "dd63-v2   --runner V2 --mode ddtree --depth 15 --budget 63")
 
 . "$REPO/scripts/_gpu_bundle.sh"
 

@@ -59,12 +59,11 @@ DDTREE_ABI = 1  # the call-site <-> runtime contract; bump on any incompatible c
 ENV_ENABLE = "DDTREE_PATCH_ENABLE"
 ENV_BUDGET = "DDTREE_PATCH_BUDGET"
 ENV_CHAIN = "DDTREE_PATCH_CHAIN_AS_TREE"
-# Measured builder cost on the H200 (docs/tree-builder.md, L = 16, V = 151,936): budget 64 is
-# 14.5 us over DFlash's argmax at B = 1 and 1.07-1.28x the logit-read floor at B >= 64; budget 256
-# adds 62-70 us per step at every B (sequential pop loop). Every verify node also costs target
-# compute (N + 1 query rows per request) and KV slots: 64 keeps a batch of 8 at 520 verify rows.
-# The end-to-end choice (target step included) is issue 14's measurement.
-DEFAULT_BUDGET = 64
+# The verify forward runs B * (1 + N) tokens, and budgets with 1 + N a multiple of 16 are the cheap
+# ones (GEMM tiles): on one H200 (docs/ddtree.md, "Which budget", run 10) N = 63 was 5-11 % faster
+# than N = 64 on V1 and V2 wherever the step was not host bound. The builder (docs/tree-builder.md)
+# costs 13 us over DFlash's argmax at B = 1 at budget 64; budget 256 adds 65-71 us (sequential pops).
+DEFAULT_BUDGET = 63
 MAX_BUDGET = 2047  # == ddtree_patcher.kernels.tree_reference.MAX_BUDGET (the builder's limit)
 FILLER_TOKEN = 0  # chain nodes past the drafter's depth, and tree padding nodes
 CONFIG_ATTR = "ddtree_patch"  # the record configure() leaves on the SpeculativeConfig object

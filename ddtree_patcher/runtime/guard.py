@@ -6,7 +6,7 @@ tree-walk-hook rewrote are exactly what ``ddtree-patch apply`` recorded in
 ``<site>/.ddtree-patch/state.json`` and that their call sites speak this runtime's hook ABI,
 then logs one line:
 
-* ``ddtree-patch: hook active, runner=V2, vLLM 0.26.0, mode=ddtree budget=64`` (DDTree requested,
+* ``ddtree-patch: hook active, runner=V2, vLLM 0.26.0, mode=ddtree budget=63`` (DDTree requested,
   hook intact; the mode is ``ddtree budget=N`` or ``chain-as-tree``);
 * ``ddtree-patch: hook installed, inactive (DDTree not requested ...), runner=..., vLLM ...``;
 * ``ddtree-patch: hook NOT active: <why>, runner=..., vLLM ...``.

@@ -181,8 +181,8 @@ def test_budget_switch(monkeypatch):
         monkeypatch.delenv(k, raising=False)
     assert ddtree.mode_line() == "mode=off" and not ddtree.enabled()
     monkeypatch.setenv("DDTREE_PATCH_ENABLE", "1")
-    assert ddtree.budget_from_env() == ddtree.DEFAULT_BUDGET == 64
-    assert ddtree.mode_line() == "mode=ddtree budget=64"
+    assert ddtree.budget_from_env() == ddtree.DEFAULT_BUDGET == 63
+    assert ddtree.mode_line() == "mode=ddtree budget=63"
     for good, want in (("1", 1), (" 256 ", 256), ("2047", 2047)):
         monkeypatch.setenv("DDTREE_PATCH_BUDGET", good)
         assert ddtree.budget_from_env() == want
@@ -287,7 +287,7 @@ def test_boot_guard_names_mode_and_budget(make_site, cli, monkeypatch, caplog):
                          VLLM_USE_V2_MODEL_RUNNER="1")
     assert "ddtree-patch: hook active, runner=V2, vLLM 0.26.0, mode=ddtree budget=16" in log and not raised, log
     log, raised = _guard(site, monkeypatch, caplog, DDTREE_PATCH_ENABLE="1")
-    assert "mode=ddtree budget=64" in log and not raised
+    assert "mode=ddtree budget=63" in log and not raised
     log, raised = _guard(site, monkeypatch, caplog, DDTREE_PATCH_CHAIN_AS_TREE="1")
     assert "mode=chain-as-tree" in log and not raised
     log, raised = _guard(site, monkeypatch, caplog, DDTREE_PATCH_ENABLE="1", DDTREE_PATCH_BUDGET="lots")
