@@ -3,6 +3,8 @@
 # checkout (a real, non-editable install: the tests run the installed console script) and the
 # test requirements, then run the whole suite. Official vLLM wheels are downloaded with pip
 # into $DDTREE_PATCH_CACHE (default ~/.cache/ddtree-patch) on first use and reused afterwards.
+# Two test processes by default (pytest-xdist, whole files per process: most tests leave a core
+# idle); DDTREE_TEST_WORKERS=N sets the number, 0 runs everything in this process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -16,7 +18,12 @@ fi
 
 export CUDA_VISIBLE_DEVICES=""  # the Triton interpreter and vLLM's CPU paths (tests/kernels set TRITON_INTERPRET)
 set +e
-"$VENV/bin/pytest" "$@"
+WORKERS=${DDTREE_TEST_WORKERS:-2}
+if [ "$WORKERS" = "0" ]; then
+    "$VENV/bin/pytest" "$@"
+else
+    "$VENV/bin/pytest" -n "$WORKERS" --dist loadfile "$@"
+fi
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

@@ -63,14 +63,20 @@ def _wheel_name(dist: str) -> str:
 def _download(dist: str, version: str, folder: Path) -> Path:
     pattern = f"{_wheel_name(dist)}-{version}-*.whl"
     found = sorted(folder.glob(pattern))
-    if not found:
+    if not found:  # downloaded into a folder of its own, then renamed in: never a partial wheel in `folder`
         folder.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-cache-dir", "--only-binary", ":all:",
-             f"{dist}=={version}", "-d", str(folder)],
-            check=True,
-        )
+        part = Path(tempfile.mkdtemp(prefix=".part-", dir=folder))
+        try:
+            subprocess.run(
+                [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-cache-dir", "--only-binary", ":all:",
+                 f"{dist}=={version}", "-d", str(part)],
+                check=True,
+            )
+            for whl in part.glob(pattern):
+                os.replace(whl, folder / whl.name)
+        finally:
+            shutil.rmtree(part, ignore_errors=True)
         found = sorted(folder.glob(pattern))
         if found:
             progress(f"vllm_wheels: downloaded {found[-1].name} ({found[-1].stat().st_size / 2**20:.0f} MiB) "

@@ -12,8 +12,10 @@ os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
 import glob  # noqa: E402
 import pathlib  # noqa: E402
+import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
 import zipfile  # noqa: E402
 
 import pytest  # noqa: E402
@@ -45,15 +47,30 @@ def _extract_vllm_site(version: str = VLLM_VERSION) -> pathlib.Path:
     marker = site / ".ddtree-extracted"
     if marker.is_file():
         return site
+    import vllm_wheels  # the cache's locks: the test processes of one run share the cache
+
+    with vllm_wheels._locked(f"download-vllm-{version}"):  # the lock vllm_wheels.wheel() takes
+        return _download_and_extract(version, cache, site, marker)
+
+
+def _download_and_extract(version, cache, site, marker):
+    if marker.is_file():
+        return site
     wheels = cache / "wheels"
     found = sorted(glob.glob(str(wheels / f"vllm-{version}-*.whl")))
-    if not found:
+    if not found:  # downloaded beside, then renamed in: wheels/ never holds a partial wheel
         wheels.mkdir(parents=True, exist_ok=True)
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-             f"vllm=={version}", "-d", str(wheels)],
-            check=True,
-        )
+        tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".download-vllm-{version}-", dir=cache))
+        try:
+            subprocess.run(
+                [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+                 f"vllm=={version}", "-d", str(tmp)],
+                check=True,
+            )
+            for whl in tmp.glob(f"vllm-{version}-*.whl"):
+                os.replace(whl, wheels / whl.name)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
         found = sorted(glob.glob(str(wheels / f"vllm-{version}-*.whl")))
     if not found:
         raise RuntimeError(f"no vllm-{version} wheel in {wheels}")
