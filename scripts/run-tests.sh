@@ -22,7 +22,8 @@ WORKERS=${DDTREE_TEST_WORKERS:-2}
 if [ "$WORKERS" = "0" ]; then
     "$VENV/bin/pytest" "$@"
 else
-    "$VENV/bin/pytest" -n "$WORKERS" --dist loadfile "$@"
+    # --no-loadscope-reorder: files in collection order (tests/conftest.py puts the longest first)
+    "$VENV/bin/pytest" -n "$WORKERS" --dist loadfile --no-loadscope-reorder "$@"
 fi
 rc=$?
 set -e
