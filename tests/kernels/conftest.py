@@ -10,12 +10,8 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
-import glob  # noqa: E402
 import pathlib  # noqa: E402
-import shutil  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
-import tempfile  # noqa: E402
 import zipfile  # noqa: E402
 
 import pytest  # noqa: E402
@@ -32,8 +28,8 @@ def _extract_vllm_site(version: str = VLLM_VERSION) -> pathlib.Path:
     """Return a directory holding an importable ``vllm/`` package.
 
     ``DDTREE_VLLM_SITE`` wins. Otherwise the official wheel is taken from
-    ``$DDTREE_PATCH_CACHE/wheels`` (default ``~/.cache/ddtree-patch``), downloaded
-    with ``pip download --no-deps`` if missing, and unzipped once into
+    ``$DDTREE_PATCH_CACHE/wheels`` (default ``~/.cache/ddtree-patch``; ``vllm_wheels.wheel``
+    downloads it if missing), and unzipped once into
     ``$DDTREE_PATCH_CACHE/site/<version>-full/`` (a marker file is written last).
     """
     env = os.environ.get("DDTREE_VLLM_SITE")
@@ -47,37 +43,15 @@ def _extract_vllm_site(version: str = VLLM_VERSION) -> pathlib.Path:
     marker = site / ".ddtree-extracted"
     if marker.is_file():
         return site
-    import vllm_wheels  # the cache's locks: the test processes of one run share the cache
+    import vllm_wheels  # the wheel download and the cache's locks: the test processes share the cache
 
-    with vllm_wheels._locked(f"download-vllm-{version}"):  # the lock vllm_wheels.wheel() takes
-        return _download_and_extract(version, cache, site, marker)
-
-
-def _download_and_extract(version, cache, site, marker):
-    if marker.is_file():
-        return site
-    wheels = cache / "wheels"
-    found = sorted(glob.glob(str(wheels / f"vllm-{version}-*.whl")))
-    if not found:  # downloaded beside, then renamed in: wheels/ never holds a partial wheel
-        wheels.mkdir(parents=True, exist_ok=True)
-        tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".download-vllm-{version}-", dir=cache))
-        try:
-            subprocess.run(
-                [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-                 f"vllm=={version}", "-d", str(tmp)],
-                check=True,
-            )
-            for whl in tmp.glob(f"vllm-{version}-*.whl"):
-                os.replace(whl, wheels / whl.name)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        found = sorted(glob.glob(str(wheels / f"vllm-{version}-*.whl")))
-    if not found:
-        raise RuntimeError(f"no vllm-{version} wheel in {wheels}")
-    site.mkdir(parents=True, exist_ok=True)
-    with zipfile.ZipFile(found[-1]) as zf:
-        zf.extractall(site)
-    marker.write_text(found[-1] + "\n")
+    with vllm_wheels._locked(f"site-vllm-{version}"):
+        if not marker.is_file():
+            whl = vllm_wheels.wheel(version)  # kept in $DDTREE_PATCH_CACHE/wheels, renamed in whole
+            site.mkdir(parents=True, exist_ok=True)
+            with zipfile.ZipFile(whl) as zf:
+                zf.extractall(site)
+            marker.write_text(f"{whl}\n")
     return site
 
 
