@@ -22,16 +22,26 @@ Grid ``(B, num_kv_heads, cdiv(W * G, BLOCK_M))`` with G = q heads per KV head: a
 BLOCK_M (node, q-head) rows of one request and one KV head (GQA packed: the K/V tiles are read
 once for the G heads). Static shapes (W = ``ancestor_mask.shape[1]``), loop bounds read on the
 device, no host synchronisation: capturable in a CUDA graph.
+
+The tree pass (modes 0 and 2) has a second kernel for trees whose keys fit one tile
+(``_tree_tile_kernel``, W <= 64, or W <= 128 on a small grid in mode 2: ``_tile_plan``): each
+program loads the request's tree K/V first (their block ids depend only on the context length),
+then q and the context state, and runs one exact softmax over the tile; a last M tile that is at
+most a quarter full is done by the program before it (W = 2^k + 1: n = 16, 64). H200 A/B
+(docs/tree-step.md, "One key tile"): 6-23 % faster where it is chosen.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
+
+from .build_tree import _sm_count
 
 LOG2E = tl.constexpr(1.4426950408889634)
 _LOG2E = 1.4426950408889634
@@ -160,6 +170,102 @@ def _tree_attention_kernel(
     if WRITE_LSE:
         lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) / LOG2E, float("-inf"))
         tl.store(lse_ptr + qh * s_lh + tok * s_lt, lse, mask=row_ok)
+
+
+# Per-step sizes as in _tree_attention_kernel: not specialised.
+@triton.jit(do_not_specialize=["block_size", "W", "s_lh", "s_clh", "s_btr", "s_mr", "s_mn"])
+def _tree_tile_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, ctx_out_ptr, ctx_lse_ptr,
+    block_table_ptr, qsl_ptr, ctx_len_ptr, mask_ptr, req_mask_ptr,
+    qk_scale,
+    s_qt, s_qh, s_qd,
+    s_kb, s_ko, s_kh, s_kd,
+    s_vb, s_vo, s_vh, s_vd,
+    s_ot, s_oh, s_od,
+    s_lh, s_lt,
+    s_cot, s_coh, s_cod,
+    s_clh, s_clt,
+    s_btr, s_mr, s_mn, s_mw,
+    block_size, W,
+    G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr,
+    CTX_MODE: tl.constexpr, WRITE_LSE: tl.constexpr, HAS_REQ_MASK: tl.constexpr,
+    DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr,
+):
+    """The tree pass (CTX_MODE 0 or 2) when all W tree keys fit one tile (BLOCK_T >= W): the
+    request's tree K/V are loaded first (their block ids depend only on the context length), then
+    each of the program's M tiles (one; two for the last program when the grid folds a small last
+    tile into it) takes one exact softmax over the context state and the tile."""
+    r = tl.program_id(0)
+    kvh = tl.program_id(1)
+    ms = tl.program_id(2)
+    qs = tl.load(qsl_ptr + r)
+    qlen = tl.minimum(tl.load(qsl_ptr + r + 1) - qs, W)
+    act = qlen > 0
+    if HAS_REQ_MASK:
+        act = act & (tl.load(req_mask_ptr + r) != 0)
+    ctx = tl.maximum(tl.load(ctx_len_ptr + r), 0)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    j = tl.arange(0, BLOCK_T)
+    j_ok = (j < qlen) & act
+    pos = ctx + j
+    blk = tl.load(block_table_ptr + r.to(tl.int64) * s_btr + pos // block_size, mask=j_ok, other=0).to(tl.int64)
+    off = (pos % block_size).to(tl.int64)
+    kmask = j_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_ptr + blk[:, None] * s_kb + off[:, None] * s_ko + kvh * s_kh + offs_d[None, :] * s_kd,
+                mask=kmask, other=0.0)
+    v = tl.load(v_ptr + blk[:, None] * s_vb + off[:, None] * s_vo + kvh * s_vh + offs_d[None, :] * s_vd,
+                mask=kmask, other=0.0)
+    if DOT_UPCAST:  # as in _attend_tile
+        k = k.to(tl.float32)
+    kt = tl.trans(k)
+    # the last program also takes the M tiles past the grid (a folded small last tile)
+    n_mt = tl.where(ms == tl.num_programs(2) - 1, tl.cdiv(W * G, BLOCK_M) - ms, 1)
+    for i in range(n_mt):
+        offs_m = (ms + i) * BLOCK_M + tl.arange(0, BLOCK_M)
+        node = offs_m // G
+        qh = kvh * G + offs_m % G
+        row_ok = (node < qlen) & act
+        tok = (qs + node).to(tl.int64)
+        io_mask = row_ok[:, None] & d_ok[None, :]
+        wmask = row_ok[:, None] & j_ok[None, :]
+        word = tl.load(mask_ptr + r.to(tl.int64) * s_mr + node[:, None] * s_mn + (j[None, :] // 32) * s_mw,
+                       mask=wmask, other=0)
+        q = tl.load(q_ptr + tok[:, None] * s_qt + qh[:, None] * s_qh + offs_d[None, :] * s_qd,
+                    mask=io_mask, other=0.0)
+        if CTX_MODE == 2:
+            has_ctx = row_ok & (ctx > 0)
+            acc = tl.load(ctx_out_ptr + tok[:, None] * s_cot + qh[:, None] * s_coh + offs_d[None, :] * s_cod,
+                          mask=has_ctx[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+            lse_c = tl.load(ctx_lse_ptr + qh * s_clh + tok * s_clt, mask=has_ctx, other=0.0)
+            m_c = tl.where(has_ctx, lse_c * LOG2E, float("-inf"))
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+            m_c = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        if DOT_UPCAST:
+            s = tl.dot(q.to(tl.float32), kt, input_precision="ieee")
+        else:
+            s = tl.dot(q, kt, input_precision=DOT_PREC)
+        s = s * qk_scale  # log2 units
+        s = tl.where((((word >> (j[None, :] % 32)) & 1) != 0) & wmask, s, float("-inf"))
+        m = tl.maximum(m_c, tl.max(s, 1))
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        w_c = tl.exp2(m_c - m_safe)  # the context state's weight (0 without one)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = w_c + tl.sum(p, 1)
+        if DOT_UPCAST:
+            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        acc = acc * w_c[:, None] + pv
+        has = l_i > 0
+        o = acc / tl.where(has, l_i, 1.0)[:, None]
+        tl.store(out_ptr + tok[:, None] * s_ot + qh[:, None] * s_oh + offs_d[None, :] * s_od,
+                 o.to(out_ptr.dtype.element_ty), mask=io_mask)
+        if WRITE_LSE:
+            lse = tl.where(has, (m + tl.log2(tl.where(has, l_i, 1.0))) / LOG2E, float("-inf"))
+            tl.store(lse_ptr + qh * s_lh + tok * s_lt, lse, mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["W", "s_pb", "s_mb", "s_mr", "s_db"])
@@ -344,9 +450,32 @@ def _check(q, k_cache, v_cache, block_table, query_start_loc, context_lens, ance
     return B, T, Hq, D, Hkv, bs, W
 
 
+@functools.lru_cache(maxsize=256)  # a pure function of the shape, called once per layer in eager steps
+def _tile_plan(B, Hkv, W, G, sms, block_m, one_tile, fold_tail, fused=True):
+    """Launch plan of the tree pass: (one_tile, BLOCK_M, programs per (request, KV head)), from the
+    H200 A/B of docs/tree-step.md ("One key tile"): one tile for W <= 64, and for W <= 128 on a
+    grid of at most a third of the SMs when the context state is merged in (``fused``; the tree
+    pass alone runs beside FA3 on a second stream, where a 128-key tile's shared memory hurt);
+    BLOCK_M 32 on such small grids, 64 otherwise; a last M tile at most a quarter full is folded
+    into the program before it when the grid exceeds two waves."""
+    small = B * Hkv * triton.cdiv(W * G, 64) * 3 <= sms
+    bt1 = max(16, triton.next_power_of_2(W))
+    if one_tile is None:
+        one_tile = bt1 <= 64 or (bt1 <= 128 and small and fused)
+    one_tile = one_tile and bt1 <= 128  # wider trees: key tiles in a loop (_tree_attention_kernel)
+    if block_m is None:
+        block_m = (32 if small else 64) if one_tile else (64 if W * G >= 64 else max(16, triton.next_power_of_2(W * G)))
+    n_mt = triton.cdiv(W * G, block_m)
+    rem = (W * G) % block_m
+    if fold_tail is None:
+        fold_tail = one_tile and n_mt >= 2 and 0 < rem <= block_m // 4 and B * Hkv * n_mt > 2 * sms
+    return one_tile, block_m, n_mt - 1 if (fold_tail and one_tile and n_mt >= 2) else n_mt
+
+
 def _launch(q, k_cache, v_cache, block_table, query_start_loc, context_lens, ancestor_mask,
             softmax_scale, ctx_mode, ctx_out, ctx_lse, out, lse, return_lse, request_mask,
-            num_reqs, block_m, block_n, block_t, num_warps, num_stages=None, dims=None):
+            num_reqs, block_m, block_n, block_t, num_warps, num_stages=None, dims=None,
+            one_tile=False, fold_tail=None):
     B, T, Hq, D, Hkv, bs, W = dims if dims is not None else _check(
         q, k_cache, v_cache, block_table, query_start_loc, context_lens, ancestor_mask, num_reqs, request_mask)
     G = Hq // Hkv
@@ -368,19 +497,26 @@ def _launch(q, k_cache, v_cache, block_table, query_start_loc, context_lens, anc
                             or lse.dtype != torch.float32):
         raise _err("lse", f"must be float32 [num_q_heads={Hq}, >= {T}]")
     BLOCK_D = max(16, triton.next_power_of_2(D))
-    if block_m is None:
-        block_m = 64 if W * G >= 64 else max(16, triton.next_power_of_2(W * G))
+    if ctx_mode != 1 and one_tile is not False and block_t is None:
+        one_tile, block_m, n_prog = _tile_plan(B, Hkv, W, G, _sm_count(q.device), block_m, one_tile, fold_tail,
+                                               ctx_mode == 2)
+    else:
+        one_tile = False
+    if not one_tile:
+        if block_m is None:
+            block_m = 64 if W * G >= 64 else max(16, triton.next_power_of_2(W * G))
+        n_prog = triton.cdiv(W * G, block_m)
     if block_t is None:  # H200 sweep (bench_tree_step --sweep, 2026-11-30): 32-key tiles, 1 stage
-        block_t = 32 if W >= 32 else max(16, triton.next_power_of_2(W))
+        block_t = max(16, triton.next_power_of_2(W)) if one_tile else (32 if W >= 32 else max(16, triton.next_power_of_2(W)))
     if num_stages is None:
         num_stages = 1
-    grid = (B, Hkv, triton.cdiv(W * G, block_m))
+    grid = (B, Hkv, n_prog)
     dummy = out
     cdo = ctx_out if ctx_mode == 2 else dummy
     cdl = ctx_lse if ctx_mode == 2 else (lse if lse is not None else context_lens)
     lse_arg = lse if lse is not None else cdl
     if B > 0 and W > 0:
-        _tree_attention_kernel[grid](
+        (_tree_tile_kernel if one_tile else _tree_attention_kernel)[grid](
             q, k_cache, v_cache, out, lse_arg, cdo, cdl,
             block_table, query_start_loc, context_lens, ancestor_mask,
             request_mask if request_mask is not None else context_lens,
@@ -394,7 +530,8 @@ def _launch(q, k_cache, v_cache, block_table, query_start_loc, context_lens, anc
             block_table.stride(0), ancestor_mask.stride(0), ancestor_mask.stride(1),
             ancestor_mask.stride(2),
             bs, W,
-            G=G, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_T=block_t,
+            G=G, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=block_m, BLOCK_T=block_t,
+            **({} if one_tile else dict(BLOCK_N=block_n)),
             CTX_MODE=ctx_mode, WRITE_LSE=write_lse, HAS_REQ_MASK=request_mask is not None,
             DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
             DOT_UPCAST=q.dtype == torch.bfloat16 and _INTERPRETING,
@@ -429,19 +566,23 @@ def tree_attention_merge(q, k_cache, v_cache, block_table, query_start_loc, cont
                          request_mask: Optional[torch.Tensor] = None,
                          num_reqs: Optional[int] = None, block_m: Optional[int] = None,
                          block_t: Optional[int] = None, num_warps: int = 4,
-                         num_stages: Optional[int] = None, dims: Optional[tuple] = None):
+                         num_stages: Optional[int] = None, dims: Optional[tuple] = None,
+                         one_tile: Optional[bool] = None, fold_tail: Optional[bool] = None):
     """The tree pass merged with a given context pass (``ctx_out [T, Hq, D]``, ``ctx_lse``
     float32 ``[Hq, >= T]``, FlashAttention's output and ``softmax_lse``). ``out`` may be
     ``ctx_out`` (in place). ``ctx_out=None`` and ``ctx_lse=None``: tree keys only. ``dims``:
     what :func:`tree_attention_dims` returned for arguments of the same shapes, dtypes and
     devices (skips the argument checks: a caller launching once per layer with one layout).
+    Tuning only (results do not depend on them beyond rounding): ``one_tile`` (all tree keys in
+    one tile, ``_tree_tile_kernel``; None = the measured rule of ``_tile_plan``, used unless
+    ``block_t`` is given), ``fold_tail``, ``block_m``, ``block_t``, ``num_warps``, ``num_stages``.
     Other arguments as ``tree_attention``."""
     if (ctx_out is None) != (ctx_lse is None):
         raise _err("ctx_out", "and `ctx_lse` must be given together (or both None)")
     mode = 0 if ctx_out is None else 2
     return _launch(q, k_cache, v_cache, block_table, query_start_loc, context_lens, ancestor_mask,
                    softmax_scale, mode, ctx_out, ctx_lse, out, lse, return_lse, request_mask,
-                   num_reqs, block_m, 64, block_t, num_warps, num_stages, dims)
+                   num_reqs, block_m, 64, block_t, num_warps, num_stages, dims, one_tile, fold_tail)
 
 
 def tree_attention_dims(q, k_cache, v_cache, block_table, query_start_loc, context_lens, ancestor_mask,

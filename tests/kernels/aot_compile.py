@@ -182,6 +182,15 @@ def tree_step_variants():
                    G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, BLOCK_T=bt,
                    CTX_MODE=mode, WRITE_LSE=lse, HAS_REQ_MASK=rmask, DOT_PREC="tf32",
                    DOT_UPCAST=False), 0)
+    for dt, mode, lse, rmask, bm, bt in (("*bf16", 2, False, True, 64, 32), ("*bf16", 2, False, True, 32, 128),
+                                         ("*bf16", 2, False, True, 64, 64), ("*bf16", 0, True, True, 64, 32),
+                                         ("*fp16", 2, False, True, 32, 64)):
+        types = dict(TREE_ATTN_PTRS, q_ptr=dt, k_ptr=dt, v_ptr=dt, out_ptr="*fp32" if mode == 0 else dt,
+                     ctx_out_ptr=dt)
+        yield (f"tree_tile {dt[1:]} mode={mode} lse={lse} req_mask={rmask} BLOCK_M={bm} BLOCK_T={bt}",
+               TA._tree_tile_kernel, types, dict(
+                   G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=bm, BLOCK_T=bt, CTX_MODE=mode, WRITE_LSE=lse,
+                   HAS_REQ_MASK=rmask, DOT_PREC="tf32", DOT_UPCAST=False), 0)
     for elt, name, vpp, cnt in ((tl.int16, "bf16", 1, True), (tl.int8, "fp8", 1, False), (tl.int16, "bf16", 4, False)):
         yield f"move_rows kv {name} views/program={vpp} counts={cnt}", KC._move_rows_kernel, MOVE_PTRS, dict(
             pos_ptr=None, X=256, NE=2048, ELT=elt, BLOCK_W=32, CHUNK=1024, VPP=vpp, HAS_SLOTS=True,

@@ -99,6 +99,53 @@ def test_context_and_tree_passes_merged_by_lse(ctx, n, Hq, Hkv, D, bs, dtype, la
             assert bool((out2[rows] == 123.0).all())
 
 
+# the tree pass's two kernels (one key tile / key tiles in a loop) and the folded last M tile:
+# W * G = 17 * 4 = 68 rows leave a 4-row last tile at BLOCK_M 64 (n = 16 and 64 have this shape)
+@pytest.mark.parametrize("one_tile,fold_tail,block_m", [(True, False, 64), (True, True, 64), (True, True, 16),
+                                                        (False, None, None), (True, None, None)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tree_pass_kernels_and_folded_last_tile(one_tile, fold_tail, block_m, dtype):
+    c = make_case([21, 0, 9], [16, 16, 11], Hq=4, Hkv=1, D=16, bs=8, dtype=dtype, seed=21)
+    ref, rlse = tree_attention_ref(*_args(c))
+    kw = dict(one_tile=one_tile, fold_tail=fold_tail, block_m=block_m)
+    ctx_out, ctx_lse = context_attention_ref(*_args(c)[:6], c.scale)
+    keep = torch.tensor([True, True, False])
+    out = ctx_out.clone()
+    out[int(c.query_start_loc[2]):] = 123.0
+    tree_attention_merge(*_args(c), ctx_out, ctx_lse, out=out, request_mask=keep, **kw)
+    qsl = c.query_start_loc.tolist()
+    _close(out, ref, c, dtype, rows=slice(0, qsl[2]))
+    assert bool((out[qsl[2]:] == 123.0).all())  # a masked-off request's rows are left as they were
+    t_out, t_lse = tree_attention_merge(*_args(c), None, None, return_lse=True, **kw)  # tree keys only
+    c0 = make_case([0, 0, 0], [16, 16, 11], Hq=4, Hkv=1, D=16, bs=8, dtype=dtype, seed=21)
+    ref0, rlse0 = tree_attention_ref(*_args(c0))
+    t0, l0 = tree_attention_merge(*_args(c0), None, None, return_lse=True, **kw)
+    _close(t0, ref0, c0, dtype, l0, rlse0)
+    out2 = torch.empty_like(c.q)
+    merge_attention_states(ctx_out, ctx_lse, t_out, t_lse, c.query_start_loc, c.context_lens, out=out2,
+                           width=c.ancestor_mask.shape[1])
+    _close(out2, ref, c, dtype)
+
+
+def test_tile_plan_follows_the_measured_rule():
+    """_tile_plan (Qwen3-8B shape: 8 KV heads, G = 4; 132 SMs): one key tile up to W = 64, and up
+    to W = 128 on a grid of at most a third of the SMs when merged with the context state; BLOCK_M 32
+    there; the last M tile of
+    W = 17 (4 rows) folded only when the grid exceeds two waves."""
+    from ddtree_patcher.kernels.tree_attention import _tile_plan
+    plan = lambda B, W: _tile_plan(B, 8, W, 4, 132, None, None, None)  # noqa: E731
+    assert plan(1, 17) == (True, 32, 3)
+    assert plan(8, 17) == (True, 64, 2)
+    assert plan(32, 17) == (True, 64, 1)  # 512 programs unfolded: the 4-row tile joins the first
+    assert plan(32, 64) == (True, 64, 4)
+    assert plan(1, 65) == (True, 32, 9)
+    assert _tile_plan(1, 8, 65, 4, 132, None, None, None, False) == (False, 64, 5)  # the tree pass alone
+    assert plan(8, 65) == (False, 64, 5)  # 65 keys: tiles of 32 in a loop
+    assert plan(1, 257) == (False, 64, 17)
+    assert _tile_plan(1, 8, 65, 4, 132, None, True, None)[0]  # forced
+    assert not _tile_plan(1, 8, 200, 4, 132, None, True, None)[0]  # never past 128 keys
+
+
 def test_tree_pass_alone_is_attention_over_the_tree():
     c = make_case([0, 0], [9, 5], seed=3)  # no context: the tree keys are all there is
     ref, rlse = tree_attention_ref(*_args(c))
