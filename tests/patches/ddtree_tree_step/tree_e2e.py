@@ -51,6 +51,23 @@ def engine(tag: str, site: Path, ckpt: Path, log: Path, version: str = "0.28.0",
     return res
 
 
+def serve(tag: str, site: Path, ckpt: Path, log: Path, version: str = "0.28.0", **env) -> dict:
+    """One ``run_serve.py`` run (``vllm serve`` on 127.0.0.1, env: its knobs and DDTree's switches);
+    its RESULT with the server's log under "log"."""
+    python, path = release_env(version, site)
+    e = cpu_env(**{"PYTHONPATH": path, "VLLM_CPU_KVCACHE_SPACE": "1", "ROOT": str(ckpt), "TAG": tag,
+                   "SERVE_LOG": str(log), **env})
+    proc = subprocess.run([python, str(TOOLS / "run_serve.py")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=600, env=e, cwd=str(log.parent))
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    res = json.loads(lines[-1][len("RESULT "):]) if lines else {"ok": False, "error": f"no RESULT (exit {proc.returncode})"}
+    res["log"] = log.read_text() if log.exists() else ""
+    if not res.get("ok"):
+        pytest.fail(f"{tag} failed: {res.get('error')}\n{res.get('traceback', '')}\n{proc.stdout[-3000:]}\n"
+                    f"{res['log'][-7000:]}")
+    return res
+
+
 def e2e_site(tmp_path: Path, cli, version: str = "0.28.0") -> tuple[Path, Path]:
     """(site, checkpoints): a vllm-cpu ``version`` overlay with tree-walk-hook, ddtree-proposer and
     ddtree-tree-step applied, and the tiny target + DFlash drafter made branchy."""
