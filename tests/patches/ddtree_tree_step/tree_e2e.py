@@ -34,17 +34,23 @@ def release_env(version: str, site: Path) -> tuple[str, str]:
     return python, os.pathsep.join([str(site), *extra])
 
 
-def engine(tag: str, site: Path, ckpt: Path, log: Path, version: str = "0.28.0", **env) -> dict:
-    """One ``run_tree_engine.py`` run (env: its knobs); its RESULT with the log under "log"."""
+def _run(script: str, site: Path, ckpt: Path, log: Path, version: str, env: dict, stderr) -> tuple[dict, subprocess.CompletedProcess]:
+    """One of this folder's tools with the release's interpreter and site: its last RESULT line."""
     python, path = release_env(version, site)
-    # in-process engine core unless the caller asks for vLLM's default (VLLM_ENABLE_V1_MULTIPROCESSING=1)
-    e = cpu_env(**{"PYTHONPATH": path, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-                   "ROOT": str(ckpt), "TAG": tag, **env})
-    with open(log, "w") as fh:
-        proc = subprocess.run([python, str(TOOLS / "run_tree_engine.py")], stdout=subprocess.PIPE, stderr=fh,
-                              text=True, timeout=600, env=e, cwd=str(log.parent))
+    e = cpu_env(**{"PYTHONPATH": path, "VLLM_CPU_KVCACHE_SPACE": "1", "ROOT": str(ckpt), **env})
+    proc = subprocess.run([python, str(TOOLS / script)], stdout=subprocess.PIPE, stderr=stderr, text=True,
+                          timeout=600, env=e, cwd=str(log.parent))
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     res = json.loads(lines[-1][len("RESULT "):]) if lines else {"ok": False, "error": f"no RESULT (exit {proc.returncode})"}
+    return res, proc
+
+
+def engine(tag: str, site: Path, ckpt: Path, log: Path, version: str = "0.28.0", **env) -> dict:
+    """One ``run_tree_engine.py`` run (env: its knobs); its RESULT with the log under "log"."""
+    # in-process engine core unless the caller asks for vLLM's default (VLLM_ENABLE_V1_MULTIPROCESSING=1)
+    with open(log, "w") as fh:
+        res, proc = _run("run_tree_engine.py", site, ckpt, log, version,
+                         {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TAG": tag, **env}, fh)
     if not res.get("ok"):
         pytest.fail(f"{tag} failed: {res.get('error')}\n{log.read_text()[-7000:]}")
     res["log"] = log.read_text() + proc.stdout  # vLLM logs to stdout
@@ -54,13 +60,8 @@ def engine(tag: str, site: Path, ckpt: Path, log: Path, version: str = "0.28.0",
 def serve(tag: str, site: Path, ckpt: Path, log: Path, version: str = "0.28.0", **env) -> dict:
     """One ``run_serve.py`` run (``vllm serve`` on 127.0.0.1, env: its knobs and DDTree's switches);
     its RESULT with the server's log under "log"."""
-    python, path = release_env(version, site)
-    e = cpu_env(**{"PYTHONPATH": path, "VLLM_CPU_KVCACHE_SPACE": "1", "ROOT": str(ckpt), "TAG": tag,
-                   "SERVE_LOG": str(log), **env})
-    proc = subprocess.run([python, str(TOOLS / "run_serve.py")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=600, env=e, cwd=str(log.parent))
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    res = json.loads(lines[-1][len("RESULT "):]) if lines else {"ok": False, "error": f"no RESULT (exit {proc.returncode})"}
+    res, proc = _run("run_serve.py", site, ckpt, log, version, {"TAG": tag, "SERVE_LOG": str(log), **env},
+                     subprocess.STDOUT)
     res["log"] = log.read_text() if log.exists() else ""
     if not res.get("ok"):
         pytest.fail(f"{tag} failed: {res.get('error')}\n{res.get('traceback', '')}\n{proc.stdout[-3000:]}\n"
