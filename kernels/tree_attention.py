@@ -26,9 +26,9 @@ device, no host synchronisation: capturable in a CUDA graph.
 The tree pass (modes 0 and 2) has a second kernel for trees whose keys fit one tile
 (``_tree_tile_kernel``, W <= 64, or W <= 128 on a small grid in mode 2: ``_tile_plan``): each
 program loads the request's tree K/V first (their block ids depend only on the context length),
-then q and the context state, and runs one exact softmax over the tile; a last M tile that is at
-most a quarter full is done by the program before it (W = 2^k + 1: n = 16, 64). H200 A/B
-(docs/tree-step.md, "One key tile"): 6-23 % faster where it is chosen.
+then q and the context state, and runs one exact softmax over the tile; on grids over two waves
+a last M tile at most a quarter full (W = 17, 65 at G = 4) is done by the program before it. H200
+A/B (docs/tree-step.md, "One key tile"): 6-23 % faster where it is chosen.
 """
 
 from __future__ import annotations
