@@ -78,6 +78,44 @@ def _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, blk, off, kv_ok, visible, kvh, 
     return m_new, l_i, acc
 
 
+@triton.jit
+def _request(qsl_ptr, ctx_len_ptr, req_mask_ptr, r, W, HAS_REQ_MASK: tl.constexpr):
+    """Request r's first query row, its row count (at most W), whether it is attended (rows, and
+    the request mask), and its context length."""
+    qs = tl.load(qsl_ptr + r)
+    qlen = tl.minimum(tl.load(qsl_ptr + r + 1) - qs, W)
+    act = qlen > 0
+    if HAS_REQ_MASK:
+        act = act & (tl.load(req_mask_ptr + r) != 0)
+    return qs, qlen, act, tl.maximum(tl.load(ctx_len_ptr + r), 0)
+
+
+@triton.jit
+def _context_state(ctx_out_ptr, ctx_lse_ptr, tok, qh, offs_d, d_ok, row_ok, ctx, s_cot, s_coh, s_cod, s_clh,
+                   s_clt):
+    """A given context pass's softmax state of the rows: (output as float32, max in log2 units,
+    whether the row has one). Rows of requests without context have none (FlashAttention leaves
+    them undefined)."""
+    has_ctx = row_ok & (ctx > 0)
+    acc = tl.load(ctx_out_ptr + tok[:, None] * s_cot + qh[:, None] * s_coh + offs_d[None, :] * s_cod,
+                  mask=has_ctx[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    lse_c = tl.load(ctx_lse_ptr + qh * s_clh + tok * s_clt, mask=has_ctx, other=0.0)
+    return acc, tl.where(has_ctx, lse_c * LOG2E, float("-inf")), has_ctx
+
+
+@triton.jit
+def _write_rows(acc, m_i, l_i, out_ptr, lse_ptr, tok, qh, offs_d, io_mask, row_ok, s_ot, s_oh, s_od, s_lh, s_lt,
+                WRITE_LSE: tl.constexpr):
+    """The rows' normalised output and (WRITE_LSE) their natural-log lse."""
+    has = l_i > 0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    tl.store(out_ptr + tok[:, None] * s_ot + qh[:, None] * s_oh + offs_d[None, :] * s_od,
+             o.to(out_ptr.dtype.element_ty), mask=io_mask)
+    if WRITE_LSE:
+        lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) / LOG2E, float("-inf"))
+        tl.store(lse_ptr + qh * s_lh + tok * s_lt, lse, mask=row_ok)
+
+
 # Per-step sizes (block size, W, T-dependent LSE strides, block-table / mask row strides) are not
 # specialised: batch size and tree width would otherwise each JIT a new variant.
 @triton.jit(do_not_specialize=["block_size", "W", "s_lh", "s_clh", "s_btr", "s_mr", "s_mn"])
@@ -102,13 +140,7 @@ def _tree_attention_kernel(
     r = tl.program_id(0)
     kvh = tl.program_id(1)
     mt = tl.program_id(2)
-    qs = tl.load(qsl_ptr + r)
-    qe = tl.load(qsl_ptr + r + 1)
-    qlen = tl.minimum(qe - qs, W)
-    act = qlen > 0
-    if HAS_REQ_MASK:
-        act = act & (tl.load(req_mask_ptr + r) != 0)
-    ctx = tl.maximum(tl.load(ctx_len_ptr + r), 0)
+    qs, qlen, act, ctx = _request(qsl_ptr, ctx_len_ptr, req_mask_ptr, r, W, HAS_REQ_MASK)
 
     offs_m = mt * BLOCK_M + tl.arange(0, BLOCK_M)
     node = offs_m // G
@@ -123,12 +155,8 @@ def _tree_attention_kernel(
     bt_row = block_table_ptr + r.to(tl.int64) * s_btr
 
     if CTX_MODE == 2:
-        has_ctx = row_ok & (ctx > 0)
-        acc = tl.load(ctx_out_ptr + tok[:, None] * s_cot + qh[:, None] * s_coh
-                      + offs_d[None, :] * s_cod, mask=has_ctx[:, None] & d_ok[None, :],
-                      other=0.0).to(tl.float32)
-        lse_c = tl.load(ctx_lse_ptr + qh * s_clh + tok * s_clt, mask=has_ctx, other=0.0)
-        m_i = tl.where(has_ctx, lse_c * LOG2E, float("-inf"))
+        acc, m_i, has_ctx = _context_state(ctx_out_ptr, ctx_lse_ptr, tok, qh, offs_d, d_ok, row_ok, ctx,
+                                           s_cot, s_coh, s_cod, s_clh, s_clt)
         l_i = tl.where(has_ctx, 1.0, 0.0)
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -163,13 +191,8 @@ def _tree_attention_kernel(
                                      kvh, offs_d, d_ok, qk_scale, s_kb, s_ko, s_kh, s_kd,
                                      s_vb, s_vo, s_vh, s_vd, DOT_PREC, DOT_UPCAST)
 
-    has = l_i > 0
-    o = acc / tl.where(has, l_i, 1.0)[:, None]
-    tl.store(out_ptr + tok[:, None] * s_ot + qh[:, None] * s_oh + offs_d[None, :] * s_od,
-             o.to(out_ptr.dtype.element_ty), mask=io_mask)
-    if WRITE_LSE:
-        lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) / LOG2E, float("-inf"))
-        tl.store(lse_ptr + qh * s_lh + tok * s_lt, lse, mask=row_ok)
+    _write_rows(acc, m_i, l_i, out_ptr, lse_ptr, tok, qh, offs_d, io_mask, row_ok, s_ot, s_oh, s_od, s_lh, s_lt,
+                WRITE_LSE)
 
 
 # Per-step sizes as in _tree_attention_kernel: not specialised.
@@ -199,12 +222,7 @@ def _tree_tile_kernel(
     r = tl.program_id(0)
     kvh = tl.program_id(1)
     ms = tl.program_id(2)
-    qs = tl.load(qsl_ptr + r)
-    qlen = tl.minimum(tl.load(qsl_ptr + r + 1) - qs, W)
-    act = qlen > 0
-    if HAS_REQ_MASK:
-        act = act & (tl.load(req_mask_ptr + r) != 0)
-    ctx = tl.maximum(tl.load(ctx_len_ptr + r), 0)
+    qs, qlen, act, ctx = _request(qsl_ptr, ctx_len_ptr, req_mask_ptr, r, W, HAS_REQ_MASK)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     j = tl.arange(0, BLOCK_T)
@@ -235,11 +253,8 @@ def _tree_tile_kernel(
         q = tl.load(q_ptr + tok[:, None] * s_qt + qh[:, None] * s_qh + offs_d[None, :] * s_qd,
                     mask=io_mask, other=0.0)
         if CTX_MODE == 2:
-            has_ctx = row_ok & (ctx > 0)
-            acc = tl.load(ctx_out_ptr + tok[:, None] * s_cot + qh[:, None] * s_coh + offs_d[None, :] * s_cod,
-                          mask=has_ctx[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-            lse_c = tl.load(ctx_lse_ptr + qh * s_clh + tok * s_clt, mask=has_ctx, other=0.0)
-            m_c = tl.where(has_ctx, lse_c * LOG2E, float("-inf"))
+            acc, m_c, _ = _context_state(ctx_out_ptr, ctx_lse_ptr, tok, qh, offs_d, d_ok, row_ok, ctx,
+                                         s_cot, s_coh, s_cod, s_clh, s_clt)
         else:
             acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
             m_c = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -259,13 +274,8 @@ def _tree_tile_kernel(
         else:
             pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         acc = acc * w_c[:, None] + pv
-        has = l_i > 0
-        o = acc / tl.where(has, l_i, 1.0)[:, None]
-        tl.store(out_ptr + tok[:, None] * s_ot + qh[:, None] * s_oh + offs_d[None, :] * s_od,
-                 o.to(out_ptr.dtype.element_ty), mask=io_mask)
-        if WRITE_LSE:
-            lse = tl.where(has, (m + tl.log2(tl.where(has, l_i, 1.0))) / LOG2E, float("-inf"))
-            tl.store(lse_ptr + qh * s_lh + tok * s_lt, lse, mask=row_ok)
+        _write_rows(acc, m, l_i, out_ptr, lse_ptr, tok, qh, offs_d, io_mask, row_ok, s_ot, s_oh, s_od, s_lh, s_lt,
+                    WRITE_LSE)
 
 
 @triton.jit(do_not_specialize=["W", "s_pb", "s_mb", "s_mr", "s_db"])
@@ -475,7 +485,7 @@ def _tile_plan(B, Hkv, W, G, sms, block_m, one_tile, fold_tail, fused=True):
 def _launch(q, k_cache, v_cache, block_table, query_start_loc, context_lens, ancestor_mask,
             softmax_scale, ctx_mode, ctx_out, ctx_lse, out, lse, return_lse, request_mask,
             num_reqs, block_m, block_n, block_t, num_warps, num_stages=None, dims=None,
-            one_tile=False, fold_tail=None):
+            one_tile=None, fold_tail=None):
     B, T, Hq, D, Hkv, bs, W = dims if dims is not None else _check(
         q, k_cache, v_cache, block_table, query_start_loc, context_lens, ancestor_mask, num_reqs, request_mask)
     G = Hq // Hkv
@@ -497,15 +507,10 @@ def _launch(q, k_cache, v_cache, block_table, query_start_loc, context_lens, anc
                             or lse.dtype != torch.float32):
         raise _err("lse", f"must be float32 [num_q_heads={Hq}, >= {T}]")
     BLOCK_D = max(16, triton.next_power_of_2(D))
-    if ctx_mode != 1 and one_tile is not False and block_t is None:
-        one_tile, block_m, n_prog = _tile_plan(B, Hkv, W, G, _sm_count(q.device), block_m, one_tile, fold_tail,
-                                               ctx_mode == 2)
-    else:
-        one_tile = False
-    if not one_tile:
-        if block_m is None:
-            block_m = 64 if W * G >= 64 else max(16, triton.next_power_of_2(W * G))
-        n_prog = triton.cdiv(W * G, block_m)
+    # the one-kernel mode and an explicit key tile (block_t) take the looped kernel
+    one_tile, block_m, n_prog = _tile_plan(B, Hkv, W, G, _sm_count(q.device), block_m,
+                                           one_tile if ctx_mode != 1 and block_t is None else False, fold_tail,
+                                           ctx_mode == 2)
     if block_t is None:  # H200 sweep (bench_tree_step --sweep, 2026-11-30): 32-key tiles, 1 stage
         block_t = max(16, triton.next_power_of_2(W)) if one_tile else (32 if W >= 32 else max(16, triton.next_power_of_2(W)))
     if num_stages is None:

@@ -130,8 +130,7 @@ def test_tree_pass_kernels_and_folded_last_tile(one_tile, fold_tail, block_m, dt
 def test_tile_plan_follows_the_measured_rule():
     """_tile_plan (Qwen3-8B shape: 8 KV heads, G = 4; 132 SMs): one key tile up to W = 64, and up
     to W = 128 on a grid of at most a third of the SMs when merged with the context state; BLOCK_M 32
-    there; the last M tile of
-    W = 17 (4 rows) folded only when the grid exceeds two waves."""
+    there; the last M tile of W = 17 (4 rows) folded only when the grid exceeds two waves."""
     from ddtree_patcher.kernels.tree_attention import _tile_plan
     plan = lambda B, W: _tile_plan(B, 8, W, 4, 132, None, None, None)  # noqa: E731
     assert plan(1, 17) == (True, 32, 3)
