@@ -594,9 +594,11 @@ def launch_floor(dev, timer):
     return dict(us=timer([lambda: one.add_(1)]), seq_us=timer([lambda: one.add_(1)] * SEQ))
 
 
-COMP_SWEEP = ([dict(num_warps=w, views_per_program=v, chunk=1024) for w in (4, 2, 1) for v in (1, 2, 4)]
-              + [dict(num_warps=w, views_per_program=1, chunk=c) for w in (2, 1) for c in (512, 2048)])
-GATHER_SWEEP = [dict(num_warps=w, chunk=c) for w in (4, 2, 1) for c in (1024, 2048)]
+COMP_SWEEP = ([dict(num_warps=1, depths_per_tile=1, chunk=1024, vectorize=False)]  # the 2026-12-01 kernel
+              + [dict(num_warps=w, depths_per_tile=g, chunk=c) for g in (1, 2, 4) for c in (1024, 2048)
+                 for w in (1, 2)])
+GATHER_SWEEP = ([dict(num_warps=4, depths_per_tile=1, chunk=1024, vectorize=False)]
+                + [dict(num_warps=w, depths_per_tile=g, chunk=1024) for g in (1, 4) for w in (1, 4)])
 # (n, walk): compaction_case's random (mean accepted ~2) and deep (up to DEEP_A accepted) walks
 COMP_CASES = ((16, "random"), (64, "random"), (64, "deep"))
 SEQ = 16  # calls per graph for the in-sequence time (the kernel among others in a step's graph)
@@ -659,7 +661,7 @@ def compaction_sweep(dev, H, D, hidden, layers_n, timer, cfgs, gcfgs, deadline, 
             sel = [r for r in ok if r["kind"] == kind and r["n"] == n and r["walk"] == walk]
             best = min(sel, key=lambda r: r["seq_us"], default=None)
             if best:
-                cfg = {k: best[k] for k in ("num_warps", "views_per_program", "chunk") if k in best}
+                cfg = {k: best[k] for k in ("num_warps", "depths_per_tile", "chunk", "vectorize") if k in best}
                 log(f"[comp-sweep] {kind} n={n} walk={walk} (mean a {best['mean_accepted']:.1f}, max "
                     f"{best['max_accepted']}): best in sequence {best['seq_us']:.1f} us (one replay "
                     f"{best['us']:.1f}) with {cfg}; floor {floor['seq_us']:.1f} ({floor['us']:.1f})")
@@ -751,8 +753,8 @@ def main():
             log(results["compaction"][-1]["error"])
             failed.append(f"compaction-bench B={B} n={n} {walk}")
     if args.compaction_sweep > 0:
-        cfgs = COMP_SWEEP if not smoke else COMP_SWEEP[:3]
-        gcfgs = GATHER_SWEEP if not smoke else GATHER_SWEEP[:2]
+        cfgs = COMP_SWEEP if not smoke else COMP_SWEEP[::6]
+        gcfgs = GATHER_SWEEP if not smoke else GATHER_SWEEP[::3]
         if not compaction_sweep(dev, Hkv, D, hidden, layers_n, timer, cfgs, gcfgs,
                                 time.time() + args.compaction_sweep, results):
             failed.append("compaction-sweep")

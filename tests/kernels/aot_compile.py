@@ -191,13 +191,14 @@ def tree_step_variants():
                TA._tree_tile_kernel, types, dict(
                    G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=bm, BLOCK_T=bt, CTX_MODE=mode, WRITE_LSE=lse,
                    HAS_REQ_MASK=rmask, DOT_PREC="tf32", DOT_UPCAST=False), 0)
-    for elt, name, vpp, cnt in ((tl.int16, "bf16", 1, True), (tl.int8, "fp8", 1, False), (tl.int16, "bf16", 4, False)):
-        yield f"move_rows kv {name} views/program={vpp} counts={cnt}", KC._move_rows_kernel, MOVE_PTRS, dict(
-            pos_ptr=None, X=256, NE=2048, ELT=elt, BLOCK_W=32, CHUNK=1024, VPP=vpp, HAS_SLOTS=True,
-            HAS_POS=False, HAS_COUNTS=cnt, **({} if cnt else dict(count_ptr=None, tree_ptr=None))), 0
+    for elt, name, g, cnt, vec in ((tl.int16, "bf16", 2, True, 8), (tl.int8, "fp8", 2, False, 16),
+                                   (tl.int16, "bf16", 1, False, 8), (tl.int16, "bf16", 16, False, 1)):
+        yield f"move_rows kv {name} depths/tile={g} counts={cnt} vec={vec}", KC._move_rows_kernel, MOVE_PTRS, dict(
+            pos_ptr=None, X=256, NE=2048, ELT=elt, BLOCK_W=32, CHUNK=256 if g > 2 else 2048, G=g, VEC=vec,
+            HAS_SLOTS=True, HAS_POS=False, HAS_COUNTS=cnt, **({} if cnt else dict(count_ptr=None, tree_ptr=None))), 0
     yield "move_rows hidden+positions", KC._move_rows_kernel, MOVE_PTRS, dict(
         slot_ptr=None, count_ptr=None, tree_ptr=None, X=4096, NE=4096, ELT=tl.int16, BLOCK_W=64, CHUNK=1024,
-        VPP=1, HAS_SLOTS=False, HAS_POS=True, HAS_COUNTS=False), 0
+        G=4, VEC=8, HAS_SLOTS=False, HAS_POS=True, HAS_COUNTS=False), 0
     for out_t, rmask in (("*bf16", True), ("*bf16", False)):  # the FULL-graph path's lse merge (two streams)
         yield f"merge_states out={out_t[1:]} req_mask={rmask}", TA._merge_states_kernel, dict(
             a_ptr="*bf16", a_lse_ptr="*fp32", b_ptr="*fp32", b_lse_ptr="*fp32", out_ptr=out_t, qsl_ptr="*i32",

@@ -64,8 +64,8 @@ def _expected(layer_views_before, c, rows, nacc):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("vpp", [1, 4])  # views per program (4: a partly masked last view group)
-def test_compaction_every_layout_and_dtype(layout, dtype, vpp):
+@pytest.mark.parametrize("g", [1, 2, 16])  # depths per tile (2: groups in sequence, 16: one group; the
+def test_compaction_every_layout_and_dtype(layout, dtype, g):  # forced chains read slots their group writes
     gen = torch.Generator().manual_seed(LAYOUTS.index(layout) * 7 + dtype.itemsize)
     bs = 16 if layout.startswith("fa") else 8
     c = make_case([5, 37, 0, 20, 3], [9, 12, 4, 0, 7], Hq=2, Hkv=2, D=D, bs=bs, seed=3)
@@ -81,7 +81,7 @@ def test_compaction_every_layout_and_dtype(layout, dtype, vpp):
     per_layer_kv = [kv_views(t, layout, D) for t in layers]  # K and V as the backend reads them
     expected = [_expected(kv, c, rows, nacc) for kv in per_layer_kv]
     before = [t.clone() for t in layers]
-    compact_kv(views, c.slot_mapping, c.query_start_loc, rows, nacc, num_reqs=5, views_per_program=vpp)
+    compact_kv(views, c.slot_mapping, c.query_start_loc, rows, nacc, num_reqs=5, depths_per_tile=g)
     moved = 0
     for kv, exp in zip(per_layer_kv, expected):
         for got, want in zip(kv, exp):
@@ -215,3 +215,29 @@ def test_compaction_counters_match_the_torch_count():
     assert counts[0].item() == 2 * want_moved and counts[1:].tolist() == (2 * want_hist).tolist()
     with pytest.raises(KVCompactError, match="counts"):
         comp(c.slot_mapping, c.query_start_loc, rows, acc, num_reqs=5, counts=counts.to(torch.int32), tree=tree)
+
+
+def test_16_byte_accesses_only_where_every_view_allows_them():
+    """The kernel is told its rows are contiguous and 16-byte aligned only when they are: the
+    packed FA layout (bf16: 8 elements, fp8: 16), not a view whose base or rows are misaligned
+    or whose elements are strided (the CPU layout's keys); the moves are exact either way."""
+    from ddtree_patcher.kernels.kv_compact import _group_views
+
+    c = make_case([5, 9], [6, 6], Hq=2, Hkv=2, D=D, bs=16, dtype=torch.bfloat16, seed=4)
+    packed = packed_kv_view(c.cache)
+    assert [g.vec for g in _group_views([packed], "v")] == [8]
+    assert [g.vec for g in _group_views([packed.to(torch.float8_e4m3fn)], "v")] == [16]
+    flat = torch.zeros(packed.numel() + 1, dtype=torch.bfloat16)
+    shifted = flat[1:].view(packed.shape)  # base one element past a 16-byte boundary
+    assert [g.vec for g in _group_views([shifted], "v")] == [1]
+    cpu = make_cache("cpu-nbhbs2d", 4, 8, 2, D, torch.float32, torch.Generator().manual_seed(1))
+    kv = kv_views(cpu, "cpu-nbhbs2d", D)
+    assert sorted(g.vec for g in _group_views(kv, "v")) == [1, 4]  # keys strided, values rows
+    # the misaligned view still moves exactly
+    shifted.copy_(packed)
+    rows = torch.tensor([[0, 2, 4, -1], [6, 7, 9, 11]], dtype=torch.int32)
+    nacc = torch.tensor([2, 3], dtype=torch.int32)
+    exp = packed.clone()
+    compact_kv_ref([exp], c.slot_mapping, c.query_start_loc, rows, nacc)
+    compact_kv([shifted], c.slot_mapping, c.query_start_loc, rows, nacc)
+    assert torch.equal(_bits(shifted), _bits(exp))
