@@ -4,8 +4,8 @@ selects a level's top-n nodes in parallel instead of popping them one by one; do
 "A parallel tree stage with tl.sort").
 
 One launch of B programs, each sorting N keys (int64 or int32, descending) 16 times in a dependent
-chain; per sort = (time with 16 sorts - time with none) / 16, so the launch cancels out. Event-timed
-back-to-back launches, median of 5 x 50; each configuration checked against ``torch.sort``.
+chain; per sort = (time with 16 sorts - time with none) / 16, so the launch cancels out. Timed as
+launches in a CUDA graph (20 per graph, replay median); each configuration checked against ``torch.sort``.
 Run on a GPU from the repository root: ``python benchmarks/bench_tl_sort.py`` (writes
 ``$OUT/sort_cost.json``, default /tmp/out). Record: benchmarks/results/h200_tl_sort_2026-12-02.json."""
 import json
@@ -24,17 +24,26 @@ def _k(x_ptr, out_ptr, N: tl.constexpr, ITERS: tl.constexpr):
     tl.store(out_ptr + b * N + o, acc)
 
 
-def t(fn, reps=50):
-    fn(); torch.cuda.synchronize()
-    s, e = torch.cuda.Event(True), torch.cuda.Event(True)
-    best = []
-    for _ in range(5):
-        s.record()
-        for _ in range(reps):
+def t(fn, calls=20, reps=20):
+    """µs per call: ``calls`` launches captured in one CUDA graph, replay median (no launch
+    overhead from Python: a kernel shorter than a launch would otherwise hide under it)."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
             fn()
-        e.record(); torch.cuda.synchronize()
-        best.append(s.elapsed_time(e) * 1000 / reps)
-    return sorted(best)[len(best) // 2]
+    g.replay()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(True), torch.cuda.Event(True)
+    times = []
+    for _ in range(reps):
+        s.record()
+        g.replay()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) * 1000 / calls)
+    return sorted(times)[len(times) // 2]
 
 
 def main():
