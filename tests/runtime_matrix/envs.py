@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -74,8 +75,17 @@ def _installed_torch(python: str) -> str:
     return out.strip().split("+")[0]
 
 
+SHARED_SITE_VAR = "DDTREE_TEST_SHARED_SITE"
+# a .pth line starting with "import" is executed at start-up (site.addpackage): the directory named
+# by SHARED_SITE_VAR joins sys.path after the env's own site-packages (the file sorts last)
+_SHARED_PTH = (f"import os, sys; p = os.environ.get({SHARED_SITE_VAR!r}); "
+               "p and p not in sys.path and sys.path.append(p)\n")
+
+
 def python_for(pin: str) -> str:
-    """The interpreter that runs releases pinned to torch ``pin``."""
+    """The interpreter that runs releases pinned to torch ``pin``: the test environment's own, or
+    a cached venv with that torch that also sees the test environment's packages when started
+    from this process or its children (``SHARED_SITE_VAR``, set here)."""
     if _installed_torch(sys.executable) == pin:
         return sys.executable
     env = vllm_wheels.cache_root() / "envs" / f"torch-{pin}"
@@ -91,10 +101,15 @@ def python_for(pin: str) -> str:
             log(f"torch {pin} environment ready in {time.perf_counter() - t0:.0f} s")
         site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                               capture_output=True, text=True, check=True).stdout.strip()
-        shared = sysconfig.get_paths()["purelib"]  # the test environment's packages, after the env's own
+        # the test environment's packages, after the env's own: named by this process's environment
+        # (inherited by every subprocess it starts), not written into the shared env, so test runs from
+        # different virtual environments (a CI clone and a checkout) can share the cache at once
+        os.environ[SHARED_SITE_VAR] = sysconfig.get_paths()["purelib"]
         pth = Path(site) / "zz-ddtree-test-env.pth"
-        if not pth.exists() or pth.read_text().strip() != shared:
-            pth.write_text(shared + "\n")
+        if not pth.exists() or pth.read_text() != _SHARED_PTH:
+            tmp = pth.with_name(f".{pth.name}.{os.getpid()}")
+            tmp.write_text(_SHARED_PTH)
+            os.replace(tmp, pth)
     return str(py)
 
 
@@ -143,7 +158,8 @@ def overlays(dist_info: Path, python: str) -> tuple[list[str], dict]:
                 (dest / ".complete").write_text(str(r))
                 log(f"installed {r.name}{r.specifier} into {dest} in {time.perf_counter() - t0:.0f} s")
         used = json.loads(subprocess.run([python, "-c", _VERSIONS, r.name], capture_output=True, text=True, check=True,
-                                         env={"PYTHONPATH": str(dest)}).stdout)[r.name]
+                                         env={"PYTHONPATH": str(dest),
+                                              SHARED_SITE_VAR: os.environ.get(SHARED_SITE_VAR, "")}).stdout)[r.name]
         paths.append(str(dest))
         changed[r.name] = {"required": str(r.specifier), "environment": have, "used": used}
     return paths, changed
