@@ -11,7 +11,9 @@ Run on a GPU from the repository root: ``python benchmarks/bench_tl_sort.py`` (w
 import json
 import os
 
-import torch, triton, triton.language as tl
+import torch
+import triton
+import triton.language as tl
 
 
 @triton.jit
