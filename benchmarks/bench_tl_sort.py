@@ -4,16 +4,24 @@ selects a level's top-n nodes in parallel instead of popping them one by one; do
 "A parallel tree stage with tl.sort").
 
 One launch of B programs, each sorting N keys (int64 or int32, descending) 16 times in a dependent
-chain; per sort = (time with 16 sorts - time with none) / 16, so the launch cancels out. Timed as
-launches in a CUDA graph (20 per graph, replay median); each configuration checked against ``torch.sort``.
+chain; per sort = (time with 16 sorts - time with none) / 16, so the launch cancels out. Timed by
+``bench_tree_step.graph_time`` (20 launches per CUDA graph, replay median); each configuration checked
+against ``torch.sort``.
 Run on a GPU from the repository root: ``python benchmarks/bench_tl_sort.py`` (writes
 ``$OUT/sort_cost.json``, default /tmp/out). Record: benchmarks/results/h200_tl_sort_2026-12-02.json."""
 import json
 import os
+import pathlib
+import sys
 
 import torch
 import triton
 import triton.language as tl
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from bench_tree_step import graph_time  # noqa: E402
+
+CALLS = 20  # launches per timed graph
 
 
 @triton.jit
@@ -26,33 +34,11 @@ def _k(x_ptr, out_ptr, N: tl.constexpr, ITERS: tl.constexpr):
     tl.store(out_ptr + b * N + o, acc)
 
 
-def t(fn, calls=20, reps=20):
-    """µs per call: ``calls`` launches captured in one CUDA graph, replay median (no launch
-    overhead from Python: a kernel shorter than a launch would otherwise hide under it)."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(True), torch.cuda.Event(True)
-    times = []
-    for _ in range(reps):
-        s.record()
-        g.replay()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) * 1000 / calls)
-    return sorted(times)[len(times) // 2]
-
-
 def main():
     dev = torch.device("cuda")
     rows = []
     for B in (1, 64):
-        for dt, kern in (("i64", _k), ("i32", _k)):
+        for dt in ("i64", "i32"):
             for N in (128, 512, 2048):
                 for nw in (1, 4, 8):
                     if nw == 1 and N > 512:
@@ -60,12 +46,12 @@ def main():
                     x = torch.randint(-2**30, 2**30, (B, N), device=dev, dtype=torch.int64 if dt == "i64" else torch.int32)
                     out = torch.empty_like(x)
                     try:
-                        t0 = t(lambda: kern[(B,)](x, out, N=N, ITERS=0, num_warps=nw))
-                        t16 = t(lambda: kern[(B,)](x, out, N=N, ITERS=16, num_warps=nw))
+                        t0 = graph_time([lambda: _k[(B,)](x, out, N=N, ITERS=0, num_warps=nw)] * CALLS)
+                        t16 = graph_time([lambda: _k[(B,)](x, out, N=N, ITERS=16, num_warps=nw)] * CALLS)
                         ref = x.clone()
                         for i in range(16):
                             ref = torch.sort(ref ^ i, dim=1, descending=True).values
-                        kern[(B,)](x, out, N=N, ITERS=16, num_warps=nw)
+                        _k[(B,)](x, out, N=N, ITERS=16, num_warps=nw)
                         ok = bool(torch.equal(out, ref))
                         row = dict(B=B, dtype=dt, N=N, warps=nw, us_0=round(t0, 2), us_16=round(t16, 2),
                                    per_sort_us=round((t16 - t0) / 16, 3), ok=ok)

@@ -64,7 +64,7 @@ def _group_offsets(rbase, row0, slot_ptr, qs, g0, last, block_size, s_blk, s_off
     return ok, s_o, t_o
 
 
-@triton.jit(do_not_specialize=["n_views", "block_size", "W", "s_blk", "s_off", "s_h", "s_x", "n_bins"])
+@triton.jit(do_not_specialize=["block_size", "W", "s_blk", "s_off", "s_h", "s_x", "n_bins"])
 def _move_rows_kernel(
     ptr_table,  # int64 [num_views]: data_ptr of each view
     slot_ptr,  # [T] int32/int64 slot mapping, or None (HAS_SLOTS=False: slot = row)
@@ -74,7 +74,7 @@ def _move_rows_kernel(
     pos_ptr,  # [T] positions or None
     count_ptr,  # int64 [1 + n_bins] counters or None (HAS_COUNTS): moved depths, then a histogram of a
     tree_ptr,  # bool [>= B] or None: rows counted in the histogram
-    n_views, s_rows, s_blk, s_off, s_h, s_x, block_size, W, n_bins,
+    s_rows, s_blk, s_off, s_h, s_x, block_size, W, n_bins,
     X: tl.constexpr, NE: tl.constexpr, ELT: tl.constexpr, BLOCK_W: tl.constexpr,
     CHUNK: tl.constexpr, G: tl.constexpr, HAS_SLOTS: tl.constexpr, HAS_POS: tl.constexpr,
     HAS_COUNTS: tl.constexpr, VEC: tl.constexpr = 1,
@@ -264,7 +264,7 @@ def _launch(group: _Group, slot_mapping, query_start_loc, accepted_rows, num_acc
     grid = (B, group.n, triton.cdiv(NE, CHUNK))
     _move_rows_kernel[grid](
         group.table, slot_mapping, query_start_loc, accepted_rows, num_accepted, positions, counts, tree,
-        group.n, accepted_rows.stride(0), s_blk, s_off, s_h, s_x, bs, W,
+        accepted_rows.stride(0), s_blk, s_off, s_h, s_x, bs, W,
         0 if counts is None else counts.numel() - 1,
         X=X, NE=NE, ELT=_INT_BY_SIZE[group.itemsize], BLOCK_W=triton.next_power_of_2(max(W, 2)),
         CHUNK=CHUNK, G=G, HAS_SLOTS=slot_mapping is not None, HAS_POS=positions is not None,
@@ -383,7 +383,7 @@ class RowGatherer:
             if positions is not None:
                 g = _Group([positions.as_strided((positions.shape[0], 1, 1, 1), (1, 1, 1, 1))])
                 _launch(g, None, query_start_loc, accepted_rows, num_accepted.new_zeros(B), B,
-                        positions, self.chunk, self.num_warps, self.depths_per_tile, vectorize=False)
+                        positions, self.chunk, self.num_warps, self.depths_per_tile)
             return
         for i, g in enumerate(self.groups):
             _launch(g, None, query_start_loc, accepted_rows, num_accepted, B,

@@ -161,7 +161,7 @@ TREE_ATTN_PTRS = dict(
 )
 MOVE_PTRS = dict(
     ptr_table="*i64", slot_ptr="*i32", qsl_ptr="*i32", rows_ptr="*i32", nacc_ptr="*i32",
-    pos_ptr="*i64", count_ptr="*i64", tree_ptr="*i1", n_views="i32", s_rows="i32", s_blk="i64", s_off="i64",
+    pos_ptr="*i64", count_ptr="*i64", tree_ptr="*i1", s_rows="i32", s_blk="i64", s_off="i64",
     s_h="i64", s_x="i64", block_size="i32", W="i32", n_bins="i32",
 )
 
