@@ -158,17 +158,18 @@ def _special_logits(B, L, V, dev, seed):
 
 def correctness(dev, L, V, results, smoke):
     ok = True
-    cfgs = ([(2, 64, None, "drafter"), (4, 256, None, "drafter"), (3, 64, 16, "drafter"),
-             (3, 64, None, "special"), (8, 64, None, "drafter")]
-            if not smoke else [(2, 12, None, "special")])
-    for i, (B, n, k, kind) in enumerate(cfgs):
+    cfgs = ([(2, 64, None, "drafter", False), (4, 256, None, "drafter", False), (3, 64, 16, "drafter", False),
+             (3, 64, None, "special", False), (8, 64, None, "drafter", False),
+             (8, 64, None, "drafter", True), (4, 256, None, "drafter", True), (3, 64, None, "special", True)]
+            if not smoke else [(2, 12, None, "special", False), (2, 12, None, "drafter", True)])
+    for i, (B, n, k, kind, sf) in enumerate(cfgs):
         x = (drafter_logits if kind == "drafter" else _special_logits)(B, L, V, dev, 100 + i)
         active = torch.ones(B, dtype=torch.bool, device=dev)
         if kind == "drafter":
             active[-1] = False  # the last request is in prefill: all padding
         t0 = time.time()
-        a = build_tree(x, n, k, active=active)
-        b = build_tree_ref(x, n, k, active=active, lse=a.lse)
+        a = build_tree(x, n, k, active=active, spine_first=sf)
+        b = build_tree_ref(x, n, k, active=active, lse=a.lse, spine_first=sf)
         same = {f: bool(torch.equal(getattr(a, f).cpu(), getattr(b, f).cpu())) for f in a._fields}
         xs = x.float()
         xs = torch.where(xs < math.inf, xs, torch.full_like(xs, -math.inf))
@@ -178,14 +179,14 @@ def correctness(dev, L, V, results, smoke):
         lse_err = float((a.lse - lse_t)[fin].abs().max()) if inactive_ok else math.inf
         lse_err = lse_err if bool((a.lse[~torch.isfinite(lse_t)] == -math.inf).all()) else math.inf
         # the same launch again, 3 times: bit-identical (no race in the per-row merge)
-        rep = all(all(torch.equal(getattr(build_tree(x, n, k, active=active), f), getattr(a, f))
+        rep = all(all(torch.equal(getattr(build_tree(x, n, k, active=active, spine_first=sf), f), getattr(a, f))
                       for f in ("tokens", "parents", "topk_ids", "topk_logprobs", "lse"))
                   for _ in range(0 if smoke else 3))
         good = all(same.values()) and lse_err < 1e-4 and rep
-        log(f"[check] {kind} B={B} n={n} K={k or 'default'} V={V}: kernel==ref {all(same.values())} "
+        log(f"[check] {kind} B={B} n={n} K={k or 'default'} V={V}{' spine-first' if sf else ''}: kernel==ref {all(same.values())} "
             f"{'' if all(same.values()) else same} lse max err {lse_err:.2e}; repeatable {rep}; "
             f"exact {a.exact.tolist()} ({time.time() - t0:.1f}s)")
-        results["checks"].append(dict(B=B, n=n, K=k, V=V, kind=kind, equal=same,
+        results["checks"].append(dict(B=B, n=n, K=k, V=V, kind=kind, spine_first=sf, equal=same,
                                       lse_max_err=lse_err, repeatable=rep, exact=a.exact.tolist()))
         ok &= good
     B = 2 if smoke else 4
@@ -233,14 +234,19 @@ def _bench(B, budgets, L, V, dev, l2, bw, read_bw, knobs, seed):
                                                          chunk_warps=knobs.get("chunk_warps"))
                             for s in sets], reps_for(floor * 2 + 10))
             k_default = k
-        us = tm([lambda s=s: build_tree(s, n, knobs.get("topk"), chunk=knobs.get("chunk"),
-                                        chunk_warps=knobs.get("chunk_warps"),
-                                        tree_warps=knobs.get("tree_warps"))
-                 for s in sets], reps_for(floor * 2 + 30))
+
+        def build(s, sf):
+            return build_tree(s, n, knobs.get("topk"), chunk=knobs.get("chunk"),
+                              chunk_warps=knobs.get("chunk_warps"), tree_warps=knobs.get("tree_warps"),
+                              spine_first=sf)
+        # the runtime's node order (spine-first, ddtree_patcher.runtime.ddtree.SPINE_FIRST) and pop order
+        us = tm([lambda s=s: build(s, True) for s in sets], reps_for(floor * 2 + 30))
+        pop_us = tm([lambda s=s: build(s, False) for s in sets], reps_for(floor * 2 + 30))
         t = build_tree(sets[0], n, knobs.get("topk"))
         row = dict(B=B, n=n, L=L, V=V, K=k,
                    knobs={a: b for a, b in knobs.items() if b or a == "preload"},
-                   sets=R, build_us=us, stage1_us=stage1_us, tree_stage_us=us - stage1_us,
+                   sets=R, build_us=us, build_pop_order_us=pop_us, stage1_us=stage1_us,
+                   tree_stage_us=us - stage1_us,
                    argmax_us=argmax_us, floor_us=floor, x_floor=us / floor,
                    read_floor_us=read_floor, x_read_floor=us / read_floor,
                    minus_argmax_us=us - argmax_us,
@@ -423,24 +429,26 @@ def _f(v, w=7, p=1):
 
 
 def print_table(res):
-    log("\n" + "=" * 118)
+    log("\n" + "=" * 127)
     log(f"{res['device']} | torch {res['torch']} | triton {res['triton']} | copy "
         f"{res['copy_bw'] / 1e12:.2f} TB/s, read {res['read_bw'] / 1e12:.2f} TB/s | {res['date']}")
     log("µs, CUDA-graph replay median; floor = B*L*V*2 B / copy bandwidth (x = build / floor; "
         "xR: same with the bf16 read bandwidth); stage1 = top-K + lse (one read of the logits); "
-        "tree = build - stage1; -argmax = build - torch.argmax")
-    log(f"{'B':>4} {'n':>4} {'K':>4} | {'build':>8} {'stage1':>8} {'tree':>7} | {'argmax':>8} "
+        "tree = build - stage1; -argmax = build - torch.argmax; build in the runtime's spine-first "
+        "node order, pop = the same in pop order")
+    log(f"{'B':>4} {'n':>4} {'K':>4} | {'build':>8} {'pop':>8} {'stage1':>8} {'tree':>7} | {'argmax':>8} "
         f"{'floor':>8} {'x':>5} {'xR':>5} {'-argmax':>8} | {'exact':>5} {'depth':>5} | knobs")
     for r in res["rows"] + res["sweep"]:
         if "error" in r:
             log(f"{r['B']:>4} ERROR {r.get('knobs', '')}")
             continue
-        log(f"{r['B']:>4} {r['n']:>4} {r['K']:>4} | {_f(r['build_us'], 8)} {_f(r['stage1_us'], 8)} "
+        log(f"{r['B']:>4} {r['n']:>4} {r['K']:>4} | {_f(r['build_us'], 8)} {_f(r.get('build_pop_order_us'), 8)} "
+            f"{_f(r['stage1_us'], 8)} "
             f"{_f(r['tree_stage_us'], 7)} | {_f(r['argmax_us'], 8)} {_f(r['floor_us'], 8)} "
             f"{_f(r['x_floor'], 5, 2)} {_f(r['x_read_floor'], 5, 2)} {_f(r['minus_argmax_us'], 8)} | "
             f"{_f(r['exact_frac'], 5, 2)} "
             f"{_f(r['mean_depth'], 5, 1)} | {r['knobs'] or ''}")
-    log("=" * 118)
+    log("=" * 127)
 
 
 if __name__ == "__main__":

@@ -485,6 +485,7 @@ def _tree_kernel(
     score_ptr,  # [B, budget] float32
     mask_ptr,  # [B, budget + 1, NW] int32 or None
     exact_ptr,  # [B] bool
+    ord_ptr,  # [B, budget] int32 scratch (SPINE_FIRST) or None
     L,
     K,
     budget,
@@ -496,6 +497,7 @@ def _tree_kernel(
     HAS_ACTIVE: tl.constexpr,
     WRITE_MASK: tl.constexpr,
     TP: tl.constexpr,  # > 0: touch the whole [L, KP] table first, TP = next_pow2(L * KP)
+    SPINE_FIRST: tl.constexpr,  # reorder the nodes: the spine (rank-0 chain) first, then pop order
 ):
     b = tl.program_id(0)
     tb = b.to(tl.int64) * L * KP
@@ -520,6 +522,7 @@ def _tree_kernel(
     PS = tl.zeros([NP], dtype=tl.float32)  # σ of emitted nodes (root: 0)
     count = b * 0
     maxd = count
+
     last = count.to(tl.float32) - float("inf")
     go = act & (budget > 0)
     if TP > 0:
@@ -580,6 +583,40 @@ def _tree_kernel(
         P = P + tl.load(top_lp_ptr + tb + dd * KP)
     ex = allok | (K >= budget) | (act == 0)
     tl.store(exact_ptr + b, ex)
+
+    if SPINE_FIRST:
+        # Column c (pop order) moves to: the spine node of depth d -> d - 1 (its rank among the
+        # spine); any other node -> s + (the non-spine columns before it), s = spine length.
+        # Padding (c >= count, never spine) keeps its column. Parents are renumbered through
+        # the scratch row ord_ptr (a gather), then every column is written at its new place.
+        # The spine: a node's first child in pop order is its rank-0 child (a sibling is pushed
+        # only when the one before it pops), so the spine is the chain of first children from the
+        # root: one reduction per depth (not a vector update per pop: at budget 256 those cost
+        # ~14 us on an H200).
+        tl.debug_barrier()  # the pops' and the padding's stores are visible to every lane
+        col = slot
+        col_ok = col < budget
+        PAR = tl.load(par_ptr + ob + col, mask=col < count, other=-1)  # emitted nodes only
+        SPF = tl.zeros([NP], dtype=tl.int32)
+        tip = count * 0  # the spine's deepest node so far (0: the root)
+        for _h in range(0, maxd):
+            fc = tl.min(tl.where(PAR == tip, col, NP), axis=0)  # its first child's column
+            SPF = tl.where(col == fc, 1, SPF)
+            tip = tl.where(fc < NP, fc + 1, -2)  # -2: no child, nothing matches from here on
+        cs = tl.cumsum(SPF, axis=0)  # spine columns <= c
+        s = tl.sum(SPF, axis=0)
+        newc = tl.where(SPF != 0, cs - 1, s + col - cs)
+        o_tok = tl.load(tok_ptr + ob + col, mask=col_ok, other=0)
+        o_par = tl.load(par_ptr + ob + col, mask=col_ok, other=0)
+        o_dep = tl.load(dep_ptr + ob + col, mask=col_ok, other=0)
+        o_sc = tl.load(score_ptr + ob + col, mask=col_ok, other=0.0)
+        tl.store(ord_ptr + ob + col, newc, mask=col_ok)
+        tl.debug_barrier()
+        n_par = tl.load(ord_ptr + ob + o_par - 1, mask=col_ok & (o_par > 0), other=-1) + 1
+        tl.store(tok_ptr + ob + newc, o_tok, mask=col_ok)
+        tl.store(par_ptr + ob + newc, n_par, mask=col_ok)
+        tl.store(dep_ptr + ob + newc, o_dep, mask=col_ok)
+        tl.store(score_ptr + ob + newc, o_sc, mask=col_ok)
 
     if WRITE_MASK:
         tl.debug_barrier()  # the parents stored above are visible to every lane
@@ -794,6 +831,7 @@ def build_tree(
     chunk_warps: Optional[int] = None,
     tree_warps: Optional[int] = None,
     mask_block: Optional[int] = None,
+    spine_first: bool = False,
 ) -> DraftTree:
     """Build one DDTree draft tree per request from the drafter's logits; see ``docs/tree-builder.md``.
 
@@ -801,7 +839,9 @@ def build_tree(
     ``budget`` n nodes per request, ``topk`` K per depth (default ``min(budget, 8)``),
     ``active`` bool [B] (False: the request gets an all-padding tree, e.g. in prefill; pass the
     static max_num_reqs batch with the unused rows False), ``ancestor_mask`` (compute the bit
-    rows). Returns a :class:`DraftTree`; no host synchronisation, static shapes; two launches
+    rows), ``spine_first`` (node order: the spine, i.e. the chain of rank-0 nodes from the root,
+    as nodes 1..s, then the other nodes in pop order; default: pop order). Returns a
+    :class:`DraftTree`; no host synchronisation, static shapes; two launches
     for K + 1 <= 32 (plus, at the first call of a shape, a 4-byte-per-row memset when rows are
     split into segments), three for larger K. Tuning (results do not depend on them): ``chunk`` (vocab entries per stage-1
     program, a power of two >= 2*next_pow2(K+1)), ``chunk_warps`` (stage-1 warps),
@@ -820,6 +860,7 @@ def build_tree(
     scores = torch.empty((B, n), dtype=torch.float32, device=dev)
     exact = torch.empty((B,), dtype=torch.bool, device=dev)
     mask = torch.empty((B, n + 1, NW), dtype=i32, device=dev) if ancestor_mask else None
+    order = torch.empty((B, n), dtype=i32, device=dev) if spine_first and n else None
     if B:
         NP = max(32, _next_pow2(n))
         NWP = max(1, _next_pow2(NW))
@@ -828,11 +869,12 @@ def build_tree(
         if RB & (RB - 1):
             raise ValueError(f"build_tree: argument `mask_block` must be a power of two, got {mask_block!r}")
         _tree_kernel[(B,)](
-            top_lp, top_id, active, tokens, parents, depths, scores, mask, exact,
+            top_lp, top_id, active, tokens, parents, depths, scores, mask, exact, order,
             L, K, n, NW,
             KP=KP, NP=NP, NWP=NWP, RB=RB, HAS_ACTIVE=active is not None,
             WRITE_MASK=ancestor_mask, num_warps=nw,
             TP=_next_pow2(L * KP) if 0 < L * KP <= TREE_PRELOAD_MAX else 0,
+            SPINE_FIRST=order is not None,
         )
     return DraftTree(tokens, parents, depths, scores, mask, exact, lse, top_lp[..., :K],
                      top_id[..., :K])

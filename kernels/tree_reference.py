@@ -18,6 +18,12 @@ Algorithm 1) with Python's ``heapq``; it is slow and synchronises with the devic
 * **Ties.** Pop order is: larger σ first, then lower depth, then lower rank, then lower parent
   index. This order is total, and each candidate's generator (previous sibling or parent) comes
   before it, so the popped nodes are exactly the first ``budget`` prefixes in that order.
+* **Node order.** Nodes are numbered in pop order; with ``spine_first=True`` the spine (the
+  chain of rank-0 nodes from the root: node j is on it iff its rank is 0 and its parent is the
+  root or on it) becomes nodes 1..s in depth order and every other node follows in pop order.
+  Both orders put parents before children and siblings in rank order; spine-first puts the
+  accepted path's nodes at their final KV slots for as long as it follows the drafter's top-1
+  (the tree step's compaction moves nothing there).
 * **Zero probability.** A candidate with σ = -inf is never emitted: when the best candidate has
   σ = -inf (or none is left) the request's remaining nodes are **padding**.
 * **Padding and inactive requests.** A padding node has token -1 (``PLACEHOLDER_TOKEN_ID``,
@@ -133,6 +139,22 @@ def _ancestor_rows(parents: list[int], n: int) -> torch.Tensor:
     return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
 
 
+def _spine_first(b, spine, tokens, parents, depths, scores):
+    """Renumber request b's nodes in place: the spine's nodes (in depth order) become 1..s, every
+    other node keeps its pop order after them (padding stays at the end). Parents still come
+    before children, and siblings keep their rank order."""
+    n = tokens.shape[1]
+    on_spine = set(spine)
+    order = spine + [j for j in range(1, n + 1) if j not in on_spine]  # old node index per new one
+    new = {0: 0}
+    new.update({old: i + 1 for i, old in enumerate(order)})
+    cols = torch.tensor([j - 1 for j in order])
+    tokens[b] = tokens[b, cols]
+    depths[b] = depths[b, cols]
+    scores[b] = scores[b, cols]
+    parents[b] = torch.tensor([new[int(p)] for p in parents[b, cols]], dtype=parents.dtype)
+
+
 def build_tree_ref(
     draft_logits: torch.Tensor,
     budget: int,
@@ -141,6 +163,7 @@ def build_tree_ref(
     active: Optional[torch.Tensor] = None,
     ancestor_mask: bool = True,
     lse: Optional[torch.Tensor] = None,
+    spine_first: bool = False,
     **_tuning,
 ) -> DraftTree:
     """Reference DDTree builder; see the module docstring and ``build_tree``.
@@ -192,6 +215,7 @@ def build_tree_ref(
         table = lp_np[b]
         sig = [np.float32(0.0)]  # σ of emitted nodes; index 0 = root
         par_l: list[int] = []
+        spine: list[int] = []  # the spine's nodes, depth 1 first (the chain of rank-0 nodes)
         heap = [(-float(table[0, 0]), 1, 0, 0)]
         while len(par_l) < n and heap:
             neg, d, r, p = heapq.heappop(heap)
@@ -205,6 +229,8 @@ def build_tree_ref(
             scores[b, j - 1] = float(s)
             par_l.append(p)
             sig.append(s)
+            if r == 0 and p == (spine[-1] if spine else 0):
+                spine.append(j)
             if r + 1 < K:
                 heapq.heappush(heap, (-float(np.float32(sig[p] + table[d - 1, r + 1])), d, r + 1, p))
             if d < L:
@@ -217,6 +243,8 @@ def build_tree_ref(
                 if not (lk == -np.inf or P == -np.inf or np.float32(P + lk) < tau):
                     exact[b] = False
                 P = np.float32(P + table[d, 0])
+        if spine_first:
+            _spine_first(b, spine, tokens, parents, depths, scores)
         if ancestor_mask:
             masks[b] = _ancestor_rows([int(v) for v in parents[b]], n)
 

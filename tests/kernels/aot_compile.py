@@ -79,8 +79,8 @@ SEG_PTRS = dict(
 )
 TREE_PTRS = dict(
     top_lp_ptr="*fp32", top_id_ptr="*i32", active_ptr="*i1", tok_ptr="*i32", par_ptr="*i32",
-    dep_ptr="*i32", score_ptr="*fp32", mask_ptr="*i32", exact_ptr="*i1", L="i32", K="i32",
-    budget="i32", NW="i32",
+    dep_ptr="*i32", score_ptr="*fp32", mask_ptr="*i32", exact_ptr="*i1", ord_ptr="*i32", L="i32",
+    K="i32", budget="i32", NW="i32",
 )
 
 
@@ -109,13 +109,17 @@ def build_tree_variants():
     for kp, active in ((64, False), (64, True)):
         yield f"build_tree merge KP={kp} active={active}", BT._merge_kernel, MERGE_PTRS, dict(
             active_ptr="keep" if active else None, NCHP=32, KP=kp, HAS_ACTIVE=active), 0
-    for n, mask, active in ((16, True, False), (64, True, True), (256, True, False), (256, False, False)):
+    # the runtime's builds: no mask, spine-first (ddtree_patcher.runtime.ddtree.SPINE_FIRST)
+    for n, mask, active, sf in ((16, True, False, False), (64, True, True, False), (256, True, False, False),
+                                (256, False, False, False), (64, True, True, True), (63, False, True, True),
+                                (256, False, False, True)):
         np_ = max(32, 1 << (n - 1).bit_length())
         nwp = 1 << ((n + 32) // 32 - 1).bit_length()
-        yield f"build_tree tree n={n} mask={mask} active={active}", BT._tree_kernel, TREE_PTRS, dict(
-            active_ptr="keep" if active else None, mask_ptr="keep" if mask else None, KP=16,
+        yield f"build_tree tree n={n} mask={mask} active={active} spine_first={sf}", BT._tree_kernel, TREE_PTRS, dict(
+            active_ptr="keep" if active else None, mask_ptr="keep" if mask else None,
+            ord_ptr="keep" if sf else None, KP=16,
             NP=np_, NWP=nwp, RB=max(1, min(1 << n.bit_length(), 1024 // nwp)), HAS_ACTIVE=active,
-            WRITE_MASK=mask, TP=256), dict(num_warps=1)
+            WRITE_MASK=mask, TP=256, SPINE_FIRST=sf), dict(num_warps=1)
 
 
 def variants():

@@ -53,11 +53,24 @@ def _sanitized(x):
     return torch.where(x < math.inf, x, torch.full_like(x, NINF))
 
 
-def _check_invariants(t, n, L):
-    """Tree properties that hold whatever the logits (spec §1.2 I1-I4, padding rules)."""
+def _spine_len(par, tok):
+    """Nodes 1..s that form the chain of first children from the root (node order)."""
+    s = 0
+    while s < len(par) and tok[s] != P and par[s] == s:
+        s += 1
+    return s
+
+
+def _check_invariants(t, n, L, spine_first=False):
+    """Tree properties that hold whatever the logits (spec §1.2 I1-I4, padding rules); in
+    spine-first order I3 holds within the spine (nodes 1..s) and within the rest, and the spine
+    is complete (node s has no child: its rank-0 child would be on the spine)."""
     B = t.tokens.shape[0]
     for b in range(B):
         tok, par, dep, sc = (v[b].tolist() for v in (t.tokens, t.parents, t.depths, t.scores))
+        s = _spine_len(par, tok) if spine_first else 0
+        if spine_first:
+            assert s == 0 or all(p != s for p in par[s:]), (b, s)
         depth = [0]
         kids: dict[int, list[int]] = {}
         for j in range(1, n + 1):
@@ -72,7 +85,7 @@ def _check_invariants(t, n, L):
             depth.append(dep[j - 1])
             assert tok[j - 1] not in kids.setdefault(p, [])  # I4: distinct siblings
             kids[p].append(tok[j - 1])
-            if j > 1:
+            if j > 1 and j != s + 1:
                 assert sc[j - 1] <= sc[j - 2]  # I3: scores non-increasing
             if p:
                 assert sc[j - 1] <= sc[p - 1]
@@ -90,7 +103,7 @@ def _check_invariants(t, n, L):
 
 def _both(x, n, k=None, **kw):
     a = build_tree(x, n, k, **kw)
-    ref_kw = {key: v for key, v in kw.items() if key in ("active", "ancestor_mask")}
+    ref_kw = {key: v for key, v in kw.items() if key in ("active", "ancestor_mask", "spine_first")}
     b = build_tree_ref(x, n, k, lse=a.lse, **ref_kw)
     for f in a._fields:
         va, vb = getattr(a, f), getattr(b, f)
@@ -105,7 +118,7 @@ def _both(x, n, k=None, **kw):
         lse_t = torch.where(act[:, None], lse_t, torch.full_like(lse_t, NINF))
     torch.testing.assert_close(a.lse, lse_t, rtol=2e-6, atol=2e-6)
     L = x.shape[1]
-    _check_invariants(a, n, L)
+    _check_invariants(a, n, L, kw.get("spine_first", False))
     return a
 
 
@@ -183,6 +196,70 @@ def test_random_matches_reference(B, L, V, n, k, dtype, chunk, kind):
     else:
         x = 2.0 * torch.randn(B, L, V, generator=g)
     _both(x.to(dtype), n, k, chunk=chunk)
+
+
+def _paths(t, b):
+    """{token path from the root: (depth, score)} of request b's non-padding nodes."""
+    par, tok = t.parents[b].tolist(), t.tokens[b].tolist()
+    out = {}
+    for j in range(1, len(par) + 1):
+        if tok[j - 1] == P:
+            continue
+        path, k = [], j
+        while k:
+            path.append(tok[k - 1])
+            k = par[k - 1]
+        out[tuple(reversed(path))] = (int(t.depths[b, j - 1]), float(t.scores[b, j - 1]))
+    return out
+
+
+@pytest.mark.parametrize(
+    "B,L,V,n,k,dtype,chunk,kind",
+    [
+        (3, 5, 300, 40, None, torch.float32, None, "peaked"),
+        (2, 5, 200, 33, 4, torch.bfloat16, 64, "ties"),
+        (2, 6, 100, 2, 4, torch.float32, None, "normal"),  # budget < L
+        (2, 3, 50, 40, 2, torch.float32, None, "normal"),  # padding after 14 nodes
+        (2, 4, 3, 20, 8, torch.float32, None, "normal"),  # V < K
+    ],
+)
+def test_spine_first_matches_reference(B, L, V, n, k, dtype, chunk, kind):
+    """spine_first=True: the same tree renumbered (the rank-0 chain from the root as nodes 1..s,
+    the rest in pop order), kernel == reference, and the same nodes as the pop-order tree."""
+    g = torch.Generator().manual_seed(B * 1000 + L * 100 + V + n + 5)
+    if kind == "ties":
+        x = torch.randint(-2, 3, (B, L, V), generator=g).float()
+    else:
+        x = 2.0 * torch.randn(B, L, V, generator=g)
+        if kind == "peaked":  # a spine that is not popped first: siblings come between
+            x[..., :2] += torch.tensor([3.0, 2.5])
+    x = x.to(dtype)
+    t = _both(x, n, k, chunk=chunk, spine_first=True)
+    pop = build_tree_ref(x, n, k, lse=t.lse)
+    for b in range(B):
+        assert _paths(t, b) == _paths(pop, b)
+        s = _spine_len(t.parents[b].tolist(), t.tokens[b].tolist())
+        assert t.tokens[b, :s].tolist() == t.topk_ids[b, :s, 0].tolist()  # the per-depth argmax
+    if kind == "peaked":  # the case is one where the order differs
+        assert not torch.equal(t.parents, pop.parents)
+
+
+def test_spine_first_worked_example():
+    """The worked example's spine is popped first: both orders agree. Uniform q over 2 tokens:
+    the spine (nodes 1 and 3 in pop order) becomes nodes 1, 2; pop node 2 becomes node 3."""
+    q = torch.tensor([[[0.6, 0.3, 0.1, 0.0], [0.7, 0.2, 0.1, 0.0]]])
+    t = _both(q.log(), 5, 3, spine_first=True)
+    assert t.parents.tolist() == [[0, 1, 0, 3, 1]]
+    t = _both(torch.zeros(1, 2, 2), 6, 2, spine_first=True)
+    assert t.tokens.tolist() == [[0, 0, 1, 0, 1, 1]]
+    assert t.parents.tolist() == [[0, 1, 0, 3, 1, 3]]  # pop order: [0, 0, 1, 2, 1, 2]
+    assert t.depths.tolist() == [[1, 2, 1, 2, 2, 2]]
+    vis = unpack_ancestor_mask(t.ancestor_mask, 6)[0].int().tolist()
+    assert vis[6] == [1, 0, 0, 1, 0, 0, 1]  # node 6 sees the root, node 3 and itself
+    # inactive rows stay all padding; 2 tree warps (the spine reductions across warps)
+    x = torch.randn(3, 3, 40, generator=torch.Generator().manual_seed(4))
+    t = _both(x, 10, 3, active=torch.tensor([True, False, True]), spine_first=True, tree_warps=2)
+    assert t.tokens[1].tolist() == [P] * 10 and t.parents[1].tolist() == [0] * 10
 
 
 def test_neg_inf_nan_and_pos_inf_policy():
