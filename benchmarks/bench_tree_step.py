@@ -526,12 +526,19 @@ def compaction_case(dev, B, n, H, D, layers_n, walk="random"):
     over a 64-token context and a walk result, seeded by n. ``walk="random"``: random trees
     (shallow), a random walk (mean accepted ~2); ``"deep"``: spine-heavy trees (each node's
     parent is the node before it with probability 0.7, as a best-first tree around a confident
-    chain) walked down to a leaf, at most DEEP_A accepted (the paper's tau ~ 8-11)."""
+    chain) walked down to a leaf, at most DEEP_A accepted (the paper's tau ~ 8-11);
+    ``"drafted"`` / ``"drafted-pop"``: the trees ``build_tree`` makes from drafter-like logits
+    (DRAFT_SHARP x N(0, 1) over DRAFT_V ids, depth 16, default K) in the runtime's spine-first node
+    order / in pop order, walked as a target that takes the drafter's rank-r token with probability
+    DRAFT_ACCEPT[r] at every depth (stops otherwise): the same trees and walks in both orders."""
     gen = torch.Generator().manual_seed(7 + n)
     ctx = 64
     nb = B * math.ceil((ctx + n + 1) / 16) + 8
     layers = [Cache(nb, 16, H, D, torch.bfloat16, dev) for _ in range(layers_n)]
     st = Step(layers[0], B, n, ctx, 2 * H, dev, gen)
+    if walk.startswith("drafted"):
+        rows, nacc = drafted_walk(B, n, st.qsl_list, st.W, dev, spine_first=walk == "drafted")
+        return layers, st, rows, nacc
     if walk == "deep":  # compaction reads only the walk result and the slots: the mask is left as is
         st.parents = [[j - 1 if float(torch.rand(1, generator=gen)) < 0.7 else
                        int(torch.randint(0, j, (1,), generator=gen)) for j in range(1, n + 1)] for _ in range(B)]
@@ -543,6 +550,35 @@ def compaction_case(dev, B, n, H, D, layers_n, walk="random"):
 
 
 DEEP_A = 10
+DRAFT_SHARP, DRAFT_V, DRAFT_L = 4.0, 512, 16
+DRAFT_ACCEPT = (0.85, 0.08, 0.03)  # the target takes the drafter's rank-r token (else: the walk stops)
+
+
+def drafted_walk(B, n, qsl_list, W, dev, spine_first=True):
+    """(rows, accepted) of a walk over ``build_tree``'s trees (see ``compaction_case``); the same
+    logits and the same rank draws whatever the node order."""
+    g = torch.Generator().manual_seed(11 + n)
+    x = (DRAFT_SHARP * torch.randn(B, DRAFT_L, DRAFT_V, generator=g)).to(dev)
+    tree = K.build_tree(x, n, spine_first=spine_first)
+    par, tok = tree.parents.cpu().tolist(), tree.tokens.cpu().tolist()
+    rows = torch.full((B, W), -1, dtype=torch.int32)
+    nacc = torch.zeros(B, dtype=torch.int32)
+    cum = torch.tensor(DRAFT_ACCEPT).cumsum(0)
+    for b in range(B):
+        kids = {}
+        for j in range(1, n + 1):  # siblings in rank order in both node orders
+            if tok[b][j - 1] >= 0:
+                kids.setdefault(par[b][j - 1], []).append(j)
+        path = [0]
+        for u in torch.rand(DRAFT_L, generator=g).tolist():
+            r = int((cum <= u).sum())  # rank r with probability DRAFT_ACCEPT[r]; past them: stop
+            ch = kids.get(path[-1], [])
+            if r >= len(ch):
+                break
+            path.append(ch[r])
+        rows[b, :len(path)] = torch.tensor(path, dtype=torch.int32) + qsl_list[b]
+        nacc[b] = len(path) - 1
+    return rows.to(dev), nacc.to(dev)
 
 
 def bench_compaction(dev, B, n, walk, H, D, hidden, layers_n, timer):
@@ -600,7 +636,7 @@ COMP_SWEEP = ([dict(num_warps=1, depths_per_tile=1, chunk=1024, vectorize=False)
 GATHER_SWEEP = ([dict(num_warps=4, depths_per_tile=1, chunk=1024, vectorize=False)]
                 + [dict(num_warps=w, depths_per_tile=g, chunk=1024) for g in (1, 4) for w in (1, 4)])
 # (n, walk): compaction_case's random (mean accepted ~2) and deep (up to DEEP_A accepted) walks
-COMP_CASES = ((16, "random"), (64, "random"), (64, "deep"))
+COMP_CASES = ((16, "random"), (64, "random"), (64, "deep"), (64, "drafted"), (64, "drafted-pop"))
 SEQ = 16  # calls per graph for the in-sequence time (the kernel among others in a step's graph)
 
 
@@ -694,13 +730,14 @@ def main():
         Hq, Hkv, D, hidden = 4, 2, 32, 48
         batches, ns, ctxs = [1, 2], [4], [20]
         checks = [(20, 2, 5, False), (40, 1, 9, False), (20, 2, 4, True)]
-        comp_cfg, layers_n = [(2, 4, "random")], 3
+        comp_cfg, layers_n = [(2, 4, "random"), (2, 6, "drafted")], 3
     else:
         Hq, Hkv, D, hidden = 32, 8, 128, 3 * 4096  # Qwen3-8B; hidden: a stand-in for DFlash's aux rows
         batches, ns, ctxs = [1, 8, 32], [16, 64], [1024, 16384]
         checks = [(1024, 4, 16, False), (1024, 2, 64, False), (16384, 2, 16, False),
                   (16384, 2, 64, False), (1024, 4, 16, True), (16384, 1, 64, True)]
-        comp_cfg, layers_n = [(32, 16, "random"), (32, 64, "random"), (32, 64, "deep")], NUM_LAYERS
+        comp_cfg, layers_n = [(32, 16, "random"), (32, 64, "random"), (32, 64, "deep"),
+                              (32, 64, "drafted"), (32, 64, "drafted-pop")], NUM_LAYERS
     results = dict(torch=torch.__version__, triton=triton.__version__, smoke=smoke,
                    date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), shape=dict(Hq=Hq, Hkv=Hkv, D=D, block_size=16),
                    checks=[], rows=[], compaction=[], skipped=[])
@@ -854,7 +891,7 @@ def print_table(res):
     if rt:
         log(f"goal with the runtime's form (conc at B <= {STREAM_MAX_REQS}, one stream above): met in "
             f"{sum(x <= 1.1 for x in rt)} of {len(rt)} rows (ratios {min(rt):.2f} .. {max(rt):.2f})")
-    for walk in ("random", "deep"):
+    for walk in ("random", "deep", "drafted", "drafted-pop"):
         cu = [c["compact_seq_us"] for c in res["compaction"] if "compact_seq_us" in c and c["B"] == 32
               and c.get("walk") == walk]
         if cu:

@@ -12,8 +12,8 @@ assumes the accepted path is the first ``a + 1`` query rows of the request, so:
   hidden states), and optionally the positions restored to ``positions[q_start] + i``.
 
 One Triton kernel does both: grid ``(B, num_views, cdiv(H * X, CHUNK))``; a program moves its
-chunk in groups of G depths, in increasing d (load the group's sources, then store its
-destinations). In node order the node accepted at depth d has local index ``j_d >= d`` (its
+chunk in groups of G depths, in increasing d from the first depth that moves (load the group's
+sources, then store its destinations). In node order the node accepted at depth d has local index ``j_d >= d`` (its
 ancestors come first), so no depth reads a slot that an earlier depth wrote, and a slot that an
 earlier depth read (``j_d' = d``, ``d' < d``) is overwritten only after that read (same thread for
 G = 1, a CTA barrier between a group's loads and stores for G > 1): chains with ``j_d > d`` that
@@ -86,12 +86,18 @@ def _move_rows_kernel(
     a = tl.load(nacc_ptr + r)
     rbase = rows_ptr + r.to(tl.int64) * s_rows
     row0 = tl.load(rbase)
+    last = tl.minimum(a, W - 1)
+    # the request's accepted nodes at once: where the moves start (depths before the first moved
+    # one stay; in the spine-first node order that is the accepted path's top-1 prefix), and the
+    # counters; the groups' own loads of them below then hit L1
+    d = tl.arange(0, BLOCK_W)
+    d_ok = (d >= 1) & (d <= last)
+    jdv = tl.load(rbase + d, mask=d_ok, other=0) - row0
+    moves = d_ok & (jdv != d)
+    first = tl.min(tl.where(moves, d, last + 1), 0)
     if HAS_COUNTS:  # one program per request: the depths it moves, and its accepted depth if a tree row
         if (v == 0) & (c == 0):
-            d = tl.arange(0, BLOCK_W)
-            ok = (d >= 1) & (d <= a) & (d < W)
-            jd = tl.load(rbase + d, mask=ok, other=0) - row0
-            tl.atomic_add(count_ptr, tl.sum((ok & (jd != d)).to(tl.int64), 0))
+            tl.atomic_add(count_ptr, tl.sum(moves.to(tl.int64), 0))
             t = tl.load(tree_ptr + r).to(tl.int64)
             tl.atomic_add(count_ptr + 1 + tl.minimum(a.to(tl.int64), n_bins - 1), t)
     e = c * CHUNK + tl.arange(0, CHUNK)
@@ -109,8 +115,7 @@ def _move_rows_kernel(
     # layout), so program order does it; with G > 1 (the reader may be in the same group, and
     # another thread) every thread's loads of this group and of the groups before come before a CTA
     # barrier, the group's stores after it. The G loads of a group are in flight at once.
-    last = tl.minimum(a, W - 1)
-    for g0 in range(1, last + 1, G):
+    for g0 in range(first, last + 1, G):
         ok, s_o, t_o = _group_offsets(rbase, row0, slot_ptr, qs, g0, last, block_size, s_blk, s_off, G, HAS_SLOTS)
         m2 = ok[:, None] & e_ok[None, :]
         sp = base + (s_o[:, None] + e_off[None, :])
