@@ -2,20 +2,29 @@
 # with the whole repository patched in: sourced, needs REPO and O set.
 #   bundle_stage1   first `run` call (carry .bundle/01 and .whl): part 1 of the bundle, libcst
 #   bundle_install  second call (carry .bundle/02): unpack into /tmp/site once per machine, export
-#                   the environment every engine process of these scripts runs with
+#                   the environment every engine process of these scripts runs with; installs
+#                   libcst if stage 1 did not (.whl may travel with either call: with a larger
+#                   bundle part 1, .bundle/01 + .whl + the tree can exceed the 64 MiB a call carries)
 #   bundle_apply_series   the whole patch series applied to /tmp/site once per machine ($O/apply.log)
 #   engine_pending TAG BUDGET MIN   whether engine TAG still has to run: not finished in $L (a RESULT
 #                   line with "ok": true), selected by ONLY, and at least MIN of the BUDGET seconds
 #                   since T0 left (then sets `left`); says SKIP otherwise
 
-bundle_stage1() {
-  mkdir -p /tmp/vb && cp "$REPO"/.bundle/01/* /tmp/vb/ && ls -la /tmp/vb | tail -3
+bundle_libcst() {  # libcst into /tmp/tools from the carried .whl, once per machine
+  [ -d /tmp/tools/libcst ] && return 0
+  ls "$REPO"/.whl/*.whl > /dev/null 2>&1 || { echo "no .whl here: libcst not installed yet"; return 0; }
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/tools "$REPO"/.whl/*.whl \
     && python3 -c "import sys; sys.path.insert(0, '/tmp/tools'); import libcst; print('libcst', libcst.__file__)"
+}
+
+bundle_stage1() {
+  mkdir -p /tmp/vb && cp "$REPO"/.bundle/01/* /tmp/vb/ && ls -la /tmp/vb | tail -3
+  bundle_libcst
   nvidia-smi -L
 }
 
 bundle_install() {
+  bundle_libcst
   if [ ! -f /tmp/site/.bundle-sha256 ]; then
     cp "$REPO"/.bundle/02/* /tmp/vb/ || exit 3
     eval "$(bash /tmp/vb/device_install.sh | tee "$O/install.log" | grep '^export ')" || exit 4

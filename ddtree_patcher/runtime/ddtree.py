@@ -23,7 +23,11 @@ runner's per-call K), so DFlash runs ``1 + L_eff`` queries per request and produ
 position), :meth:`DDTreeDrafter.tree_tokens` builds the DDTree tree instead
 (``ddtree_patcher.kernels.build_tree``, budget N) and hands vLLM ``[B, N]`` node tokens in node
 order (parents before children), and the parents ``[B, N]`` to the runner's ``TreeStep``
-(``hook.tree_step(runner).attach``: device tensors, no copy).
+(``hook.tree_step(runner).attach``: device tensors, no copy). The node order is spine-first
+(:data:`SPINE_FIRST`): the chain of the drafter's per-depth top-1 from the root is nodes 1..s,
+the other nodes follow in the builder's pop order. An accepted path that follows the top-1
+therefore already sits where vLLM's chain bookkeeping expects it, and the tree step's KV
+compaction moves only the nodes after the first accepted non-top-1 node.
 
 **Per request**: a request the tree walk can verify (``TreeStep.tree_ok``) gets its tree; any
 other request gets a chain (node j's parent is j - 1) made of DFlash's own per-position argmax
@@ -66,6 +70,9 @@ ENV_CHAIN = "DDTREE_PATCH_CHAIN_AS_TREE"
 DEFAULT_BUDGET = 63
 MAX_BUDGET = 2047  # == ddtree_patcher.kernels.tree_reference.MAX_BUDGET (the builder's limit)
 FILLER_TOKEN = 0  # chain nodes past the drafter's depth, and tree padding nodes
+# node order of the trees (build_tree's spine_first): the top-1 chain first, so the compaction
+# after the walk moves only what follows the first accepted non-top-1 node (docs/tree-step.md)
+SPINE_FIRST = True
 CONFIG_ATTR = "ddtree_patch"  # the record configure() leaves on the SpeculativeConfig object
 
 logger = logging.getLogger("vllm.ddtree_patch")
@@ -326,7 +333,7 @@ class DDTreeDrafter:
         V = logits.shape[-1]
         x = logits.view(-1, L, V)
         fn = build_tree if _use_kernel(x.device) else build_tree_ref
-        tree = fn(x, N, self.topk, ancestor_mask=False)
+        tree = fn(x, N, self.topk, ancestor_mask=False, spine_first=SPINE_FIRST)
         tokens = tree.tokens.to(torch.int64).clamp_min(FILLER_TOKEN)
         self.last_tree = tree
         return tree, tokens

@@ -271,7 +271,7 @@ def test_end_to_end_vllm_cpu(version, tmp_path, cli):
     site, ckpt = _e2e_site(tmp_path, cli, version)
     nospec = _engine("nospec", site, ckpt, tmp_path / "nospec.log", version, SPEC="0")
     dd = _engine("ddtree", site, ckpt, tmp_path / "ddtree.log", version, SPEC="1", DEPTH="3", DDTREE_PATCH_ENABLE="1",
-                 DDTREE_PATCH_BUDGET="8")
+                 DDTREE_PATCH_BUDGET="8", ORDER_STATS="1")
     for r in (nospec, dd):
         assert r["vllm"] == version and Path(r["vllm_file"]).parent == site / "vllm", r["vllm_file"]
     assert dd["tokens"] == nospec["tokens"]  # greedy DDTree == no speculation, token for token
@@ -290,9 +290,11 @@ def test_end_to_end_vllm_cpu(version, tmp_path, cli):
     assert ts["expected_steps"] >= 1, ts  # steady steps prepared from the attach's look-ahead (expect)
     assert drafter["budget"] == 8 and drafter["depth"] == 3 and drafter["chain_rows"] == 0, drafter
     assert ts["moved_rows"] >= 5, ts  # non-first children accepted: the KV and the drafter rows moved
+    # some trees' spine-first node order is not their pop order (a sibling pops before the spine ends)
+    assert 0 < dd["order"]["reordered"] < dd["order"]["rows"], dd["order"]
     assert sum(n for a, n in ts["accepted_depths"].items() if int(a) >= 2) > 0, ts  # paths deeper than 1
     assert "ddtree-patch: tree-shaped target step active (V1 CPUModelRunner, 4 target layers" in dd["log"]
-    print(f"e2e wall {time.perf_counter() - t0:.0f}s; tree step {ts}; generate s: nospec {nospec['generate_s']}, "
+    print(f"e2e wall {time.perf_counter() - t0:.0f}s; tree step {ts}; order {dd['order']}; generate s: nospec {nospec['generate_s']}, "
           f"ddtree {dd['generate_s']}")
 
 

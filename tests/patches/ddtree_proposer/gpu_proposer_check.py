@@ -58,7 +58,7 @@ def main() -> int:
         logits.normal_()
         g.replay()
         torch.cuda.synchronize()
-        ref = build_tree_ref(logits[: B * L].view(B, L, V), N, ancestor_mask=False)
+        ref = build_tree_ref(logits[: B * L].view(B, L, V), N, ancestor_mask=False, spine_first=True)
         graph_ok = (torch.equal(spec.draft_tokens[:B].cpu(), ref.tokens.to(torch.int64).clamp_min(0).cpu())
                     and torch.equal(dd.parents_v2[:B].cpu(), ref.parents.cpu()))
         times = []

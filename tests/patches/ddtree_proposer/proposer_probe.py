@@ -190,7 +190,7 @@ def params(n_tree: int, n_chain: int) -> dict[str, SamplingParams]:
 
 def expected(logits: torch.Tensor, B: int, L: int, N: int, topk=None):
     """(tree tokens with padding -> 0, tree parents, chain tokens) from the reference builder."""
-    ref = build_tree_ref(logits.view(B, L, -1), N, topk, ancestor_mask=False)
+    ref = build_tree_ref(logits.view(B, L, -1), N, topk, ancestor_mask=False, spine_first=True)
     tree_tok = ref.tokens.to(torch.int64).clamp_min(0)
     chain = torch.zeros(B, N, dtype=torch.int64)
     chain[:, :L] = logits.view(B, L, -1).argmax(-1)

@@ -3,7 +3,8 @@
 env: ROOT (checkpoints: make_tiny_ckpts.py, optionally branchy_ckpts.py), DTYPE (float32), EAGER=1|0,
 CG_MODE (with EAGER=0: compilation_config cudagraph_mode, e.g. PIECEWISE; CG_SIZES: its
 cudagraph_capture_sizes, comma-separated), GPU_MEM (gpu_memory_utilization),
-LOGPROBS (top-k logprobs of each generated token), SYNC_DEBUG=1 (CUDA: host syncs during generation,
+LOGPROBS (top-k logprobs of each generated token), ORDER_STATS=1 (CPU: "order" counts the drafted trees whose spine-first node order differs from pop
+order; it rebuilds each tree on the host), SYNC_DEBUG=1 (CUDA: host syncs during generation,
 attributed to ddtree_patcher or vLLM frames), SPEC=0|1 (DFlash with
 num_speculative_tokens DEPTH, default 3), DDTREE_PATCH_ENABLE / DDTREE_PATCH_BUDGET (DDTree),
 N_PROMPTS, MAX_TOKENS; VLLM_ENABLE_V1_MULTIPROCESSING=1: vLLM's default engine core in its own process (as
@@ -60,6 +61,23 @@ def main() -> None:
 
             _ts.TargetTreeStep.after_walk = _no_moves
             res["control"] = "no-compaction"
+        order = {"rows": 0, "reordered": 0}
+        if os.environ.get("ORDER_STATS") == "1":  # host-side, CPU runs: trees whose node order the spine-first rule changed
+            from ddtree_patcher.kernels import build_tree_ref
+            from ddtree_patcher.runtime import ddtree as _dd
+
+            _build = _dd.DDTreeDrafter.build
+
+            def _counted(self, logits):
+                tree, tokens = _build(self, logits)
+                pop = build_tree_ref(logits.view(-1, self.depth, logits.shape[-1]), self.budget, self.topk,
+                                     ancestor_mask=False)
+                order["rows"] += pop.parents.shape[0]
+                order["reordered"] += int((pop.parents.cpu() != tree.parents.cpu()).any(1).sum())
+                return tree, tokens
+
+            _dd.DDTreeDrafter.build = _counted
+            res["order"] = order
         step = "LLM()"
         eager = os.environ.get("EAGER", "1") == "1"
         kw = dict(model=f"{root}/target", skip_tokenizer_init=True, dtype=os.environ.get("DTYPE", "float32"),
