@@ -13,11 +13,13 @@ assumes the accepted path is the first ``a + 1`` query rows of the request, so:
 
 One Triton kernel does both: grid ``(B, num_views, cdiv(H * X, CHUNK))``; a program moves its
 chunk in groups of G depths, in increasing d from the first depth that moves (load the group's
-sources, then store its destinations). In node order the node accepted at depth d has local index ``j_d >= d`` (its
-ancestors come first), so no depth reads a slot that an earlier depth wrote, and a slot that an
-earlier depth read (``j_d' = d``, ``d' < d``) is overwritten only after that read (same thread for
-G = 1, a CTA barrier between a group's loads and stores for G > 1): chains with ``j_d > d`` that
-overlap are safe without a second launch. (Any ``accepted_rows`` of a walk over a tree in node
+sources, then store its destinations). In node order the node accepted at depth d has local
+index ``j_d >= d`` (its ancestors come first), so no depth reads a slot that an earlier depth
+wrote, and a slot that an earlier depth read (``j_d' = d``, ``d' < d``) is overwritten only after
+that read (same thread for G = 1, a CTA barrier between a group's loads and stores for G > 1):
+chains with ``j_d > d`` that overlap are safe without a second launch. The depths with ``j_d = d``
+(nothing to move) are a prefix of the path (j grows along it), e.g. the accepted path's top-1
+prefix in the DDTree proposer's spine-first node order. (Any ``accepted_rows`` of a walk over a tree in node
 order satisfies ``j_d >= d``; other row lists are outside the contract.) Two programs never touch
 the same bytes (different request, view or chunk). Views are reached through a table of data
 pointers, so one launch covers every layer whose views share shape, strides and element size
