@@ -278,6 +278,118 @@ def _tree_tile_kernel(
                     WRITE_LSE)
 
 
+# Per-step sizes as in _tree_attention_kernel: not specialised.
+@triton.jit(do_not_specialize=["block_size", "W", "n_mt", "s_lh", "s_btr", "s_mr", "s_mn"])
+def _tree_split_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_ptr, ml_ptr, cnt_ptr,
+    block_table_ptr, qsl_ptr, ctx_len_ptr, mask_ptr, req_mask_ptr,
+    qk_scale,
+    s_qt, s_qh, s_qd,
+    s_kb, s_ko, s_kh, s_kd,
+    s_vb, s_vo, s_vh, s_vd,
+    s_ot, s_oh, s_od,
+    s_lh, s_lt,
+    s_btr, s_mr, s_mn, s_mw,
+    block_size, W, n_mt,
+    G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, SPLITS: tl.constexpr,
+    WRITE_LSE: tl.constexpr, HAS_REQ_MASK: tl.constexpr,
+    DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr,
+):
+    """Context and tree in one launch, the context split: program (s, kvh * n_mt + mt, r) takes
+    the M tile mt of request r and KV head kvh over the s-th of SPLITS equal runs of context key
+    tiles (s < SPLITS) or over the tree keys with the ancestor bits (s == SPLITS), and stores its
+    unnormalised softmax state (acc, m, l) in the workspace. The last of the SPLITS + 1 programs
+    of a tile to finish (an atomic ticket per tile; the CTA barrier then a gpu-scope acq_rel add
+    publishes the state, as CUTLASS's split-K semaphore does) merges the states by log-sum-exp,
+    writes the rows and resets the ticket to 0 for the next launch. Every program of a tile takes
+    the same branch (a request's activity and row count are per tile), so a ticket always counts
+    to SPLITS + 1 or is not touched."""
+    s = tl.program_id(0)
+    kvh = tl.program_id(1) // n_mt
+    mt = tl.program_id(1) % n_mt
+    r = tl.program_id(2)
+    qs, qlen, act, ctx = _request(qsl_ptr, ctx_len_ptr, req_mask_ptr, r, W, HAS_REQ_MASK)
+    if act & (mt * BLOCK_M < qlen * G):
+        offs_m = mt * BLOCK_M + tl.arange(0, BLOCK_M)
+        node = offs_m // G
+        qh = kvh * G + offs_m % G
+        row_ok = node < qlen
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < HEAD_DIM
+        tok = (qs + node).to(tl.int64)
+        io_mask = row_ok[:, None] & d_ok[None, :]
+        q = tl.load(q_ptr + tok[:, None] * s_qt + qh[:, None] * s_qh + offs_d[None, :] * s_qd,
+                    mask=io_mask, other=0.0)
+        bt_row = block_table_ptr + r.to(tl.int64) * s_btr
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        # the context in SPLITS runs of whole key tiles; runs past the context are empty
+        chunk = tl.maximum(tl.cdiv(tl.cdiv(ctx, BLOCK_N), SPLITS), 1) * BLOCK_N
+        if s < SPLITS:
+            lo = s * chunk
+            hi = tl.minimum(lo + chunk, ctx)
+            for start in range(lo, hi, BLOCK_N):
+                pos = start + tl.arange(0, BLOCK_N)
+                kv_ok = pos < hi
+                blk = tl.load(bt_row + pos // block_size, mask=kv_ok, other=0).to(tl.int64)
+                off = (pos % block_size).to(tl.int64)
+                visible = kv_ok[None, :] & row_ok[:, None]
+                m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, blk, off, kv_ok, visible,
+                                             kvh, offs_d, d_ok, qk_scale, s_kb, s_ko, s_kh, s_kd,
+                                             s_vb, s_vo, s_vh, s_vd, DOT_PREC, DOT_UPCAST)
+        else:
+            # tree keys: nodes 0 .. the tile's last node (ancestors precede their descendants)
+            n_tree = tl.minimum((mt * BLOCK_M + BLOCK_M - 1) // G + 1, qlen)
+            for start in range(0, n_tree, BLOCK_T):
+                j = start + tl.arange(0, BLOCK_T)
+                j_ok = j < n_tree
+                pos = ctx + j
+                blk = tl.load(bt_row + pos // block_size, mask=j_ok, other=0).to(tl.int64)
+                off = (pos % block_size).to(tl.int64)
+                wmask = row_ok[:, None] & j_ok[None, :]
+                word = tl.load(mask_ptr + r.to(tl.int64) * s_mr + node[:, None] * s_mn
+                               + (j[None, :] // 32) * s_mw, mask=wmask, other=0)
+                visible = (((word >> (j[None, :] % 32)) & 1) != 0) & wmask
+                m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, blk, off, j_ok, visible,
+                                             kvh, offs_d, d_ok, qk_scale, s_kb, s_ko, s_kh, s_kd,
+                                             s_vb, s_vo, s_vh, s_vd, DOT_PREC, DOT_UPCAST)
+        tile = (r.to(tl.int64) * tl.num_programs(1) + tl.program_id(1))
+        lm = tl.arange(0, BLOCK_M)
+        a_off = lm[:, None] * BLOCK_D + offs_d[None, :]
+        slot = tile * (SPLITS + 1) + s
+        tl.store(part_ptr + slot * (BLOCK_M * BLOCK_D) + a_off, acc, mask=io_mask)
+        tl.store(ml_ptr + slot * (2 * BLOCK_M) + lm, m_i, mask=row_ok)
+        tl.store(ml_ptr + slot * (2 * BLOCK_M) + BLOCK_M + lm, l_i, mask=row_ok)
+        tl.debug_barrier()  # every thread's stores before the ticket (released at gpu scope)
+        ticket = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLITS:  # the tile's last program: merge the SPLITS + 1 states
+            n_used = tl.cdiv(ctx, chunk)
+            m_t = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_t = tl.zeros([BLOCK_M], tl.float32)
+            acc_t = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+            for i in tl.static_range(SPLITS + 1):
+                used = (i < n_used) | (i == SPLITS)
+                sl = tile * (SPLITS + 1) + i
+                m_s = tl.load(ml_ptr + sl * (2 * BLOCK_M) + lm, mask=row_ok & used, other=float("-inf"),
+                              cache_modifier=".cg")
+                l_s = tl.load(ml_ptr + sl * (2 * BLOCK_M) + BLOCK_M + lm, mask=row_ok & used, other=0.0,
+                              cache_modifier=".cg")
+                a_s = tl.load(part_ptr + sl * (BLOCK_M * BLOCK_D) + a_off, mask=io_mask & used, other=0.0,
+                              cache_modifier=".cg")
+                m_new = tl.maximum(m_t, m_s)
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                w_t = tl.exp2(m_t - m_safe)
+                w_s = tl.exp2(m_s - m_safe)
+                acc_t = acc_t * w_t[:, None] + a_s * w_s[:, None]
+                l_t = l_t * w_t + l_s * w_s
+                m_t = m_new
+            _write_rows(acc_t, m_t, l_t, out_ptr, lse_ptr, tok, qh, offs_d, io_mask, row_ok, s_ot, s_oh, s_od,
+                        s_lh, s_lt, WRITE_LSE)
+            tl.store(cnt_ptr + tile, 0)
+
+
 @triton.jit(do_not_specialize=["W", "s_pb", "s_mb", "s_mr", "s_db"])
 def _ancestor_rows_kernel(par_ptr, mask_ptr, depth_ptr, W, s_pb, s_mb, s_mr, s_db,
                           NW: tl.constexpr, NWP: tl.constexpr, BLOCK_W: tl.constexpr):
@@ -588,6 +700,112 @@ def tree_attention_merge(q, k_cache, v_cache, block_table, query_start_loc, cont
     return _launch(q, k_cache, v_cache, block_table, query_start_loc, context_lens, ancestor_mask,
                    softmax_scale, mode, ctx_out, ctx_lse, out, lse, return_lse, request_mask,
                    num_reqs, block_m, 64, block_t, num_warps, num_stages, dims, one_tile, fold_tail)
+
+
+def _split_sms(device):
+    """The SM count the split plan fills (a GPU's; 2 elsewhere: the Triton interpreter runs
+    programs one by one)."""
+    device = torch.device(device)
+    return _sm_count(device) if device.type == "cuda" else 2
+
+
+def _split_plan(B, Hkv, W, G, sms, splits=None, block_m=None):
+    """Launch plan of :func:`tree_attention_split`: (BLOCK_M, M tiles per (request, KV head),
+    context splits). Default: BLOCK_M 64 (the next power of two of W * G when smaller), and enough
+    context splits for about two programs per SM, 1 to 32."""
+    if block_m is None:
+        block_m = 64 if W * G > 64 else max(16, triton.next_power_of_2(W * G))
+    n_mt = triton.cdiv(W * G, block_m)
+    if splits is None:
+        splits = min(32, max(1, triton.cdiv(2 * sms, B * Hkv * n_mt) - 1))
+    return block_m, n_mt, int(splits)
+
+
+def tree_attention_split_plan(B, num_kv_heads, width, group, device, *, splits=None, block_m=None):
+    """What :func:`tree_attention_split` launches for B requests: (BLOCK_M, M tiles per (request,
+    KV head), context splits)."""
+    return _split_plan(B, num_kv_heads, width, group, _split_sms(device), splits, block_m)
+
+
+class SplitWorkspace:
+    """The scratch of :func:`tree_attention_split`: every program's softmax state and one ticket
+    per M tile, for launches of at most ``max_reqs`` requests of one head layout and tree width
+    under the same ``block_m`` / ``splits`` choice (per launch, by ``_split_plan``). The tickets are
+    zeroed here and the kernel leaves them zero, so one workspace serves every launch on its
+    stream (eager, and every replay of a captured graph). Made outside a graph capture."""
+
+    def __init__(self, max_reqs, num_kv_heads, width, group, head_dim, device, *, splits=None, block_m=None):
+        self.shape = (int(num_kv_heads), int(width), int(group), int(head_dim))
+        self.max_reqs, self.splits_arg, self.block_m_arg = int(max_reqs), splits, block_m
+        sms = _split_sms(device)
+        bd = max(16, triton.next_power_of_2(int(head_dim)))
+        tiles = slots = 0
+        for b in range(1, self.max_reqs + 1):  # the largest need over the batch sizes it serves
+            bm, n_mt, S = _split_plan(b, num_kv_heads, width, group, sms, splits, block_m)
+            t = b * num_kv_heads * n_mt
+            tiles, slots = max(tiles, t), max(slots, t * (S + 1) * bm)
+        self.part = torch.empty(slots * bd, dtype=torch.float32, device=device)
+        self.ml = torch.empty(2 * slots, dtype=torch.float32, device=device)
+        self.tickets = torch.zeros(tiles, dtype=torch.int32, device=device)
+
+
+def tree_attention_split(q, k_cache, v_cache, block_table, query_start_loc, context_lens, ancestor_mask,
+                         softmax_scale: float, *, workspace: Optional[SplitWorkspace] = None,
+                         out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
+                         return_lse: bool = False, request_mask: Optional[torch.Tensor] = None,
+                         num_reqs: Optional[int] = None, dims: Optional[tuple] = None,
+                         splits: Optional[int] = None, block_m: Optional[int] = None, block_n: int = 64,
+                         block_t: Optional[int] = None, num_warps: int = 4, num_stages: int = 2):
+    """Context + tree attention in one launch with the context split over programs
+    (``_tree_split_kernel``): the same result as :func:`tree_attention` (up to the order of the
+    float32 sums), without FlashAttention. ``workspace``: a :class:`SplitWorkspace` for these
+    shapes (None: one is made for this call; a captured graph needs one made before the capture).
+    Tuning only: ``splits`` (context runs per M tile), ``block_m``, ``block_n`` (context key tile),
+    ``block_t`` (tree key tile), ``num_warps``, ``num_stages``. Other arguments as
+    :func:`tree_attention`. Device work only; capturable."""
+    B, T, Hq, D, Hkv, bs, W = dims if dims is not None else _check(
+        q, k_cache, v_cache, block_table, query_start_loc, context_lens, ancestor_mask, num_reqs, request_mask)
+    G = Hq // Hkv
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.device != q.device:
+        raise _err("out", f"must have q's shape {tuple(q.shape)} on {q.device}")
+    write_lse = return_lse or lse is not None
+    if write_lse and lse is None:
+        lse = torch.empty(Hq, T, dtype=torch.float32, device=q.device)
+    if lse is not None and (lse.ndim != 2 or lse.shape[0] != Hq or lse.shape[1] < T
+                            or lse.dtype != torch.float32):
+        raise _err("lse", f"must be float32 [num_q_heads={Hq}, >= {T}]")
+    if workspace is None:
+        workspace = SplitWorkspace(max(B, 1), Hkv, W, G, D, q.device, splits=splits, block_m=block_m)
+    if workspace.shape != (Hkv, W, G, D) or B > workspace.max_reqs \
+            or (workspace.splits_arg, workspace.block_m_arg) != (splits, block_m):
+        raise _err("workspace", f"was made for (num_kv_heads, width, group, head_dim) {workspace.shape}, "
+                   f"{workspace.max_reqs} requests, splits={workspace.splits_arg}, block_m={workspace.block_m_arg}; "
+                   f"this call has {(Hkv, W, G, D)}, {B} requests, splits={splits}, block_m={block_m}")
+    block_m, n_mt, S = _split_plan(B, Hkv, W, G, _split_sms(q.device), splits, block_m)
+    if block_t is None:
+        block_t = 32 if W >= 32 else max(16, triton.next_power_of_2(W))
+    lse_arg = lse if lse is not None else workspace.ml
+    if B > 0 and W > 0:
+        _tree_split_kernel[(S + 1, Hkv * n_mt, B)](
+            q, k_cache, v_cache, out, lse_arg, workspace.part, workspace.ml, workspace.tickets,
+            block_table, query_start_loc, context_lens, ancestor_mask,
+            request_mask if request_mask is not None else context_lens,
+            float(softmax_scale) * _LOG2E,
+            q.stride(0), q.stride(1), q.stride(2),
+            *k_cache.stride(), *v_cache.stride(),
+            out.stride(0), out.stride(1), out.stride(2),
+            lse_arg.stride(0), lse_arg.stride(1) if lse_arg.ndim == 2 else 0,
+            block_table.stride(0), ancestor_mask.stride(0), ancestor_mask.stride(1), ancestor_mask.stride(2),
+            bs, W, n_mt,
+            G=G, HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_T=block_t, SPLITS=S, WRITE_LSE=write_lse, HAS_REQ_MASK=request_mask is not None,
+            DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+            DOT_UPCAST=q.dtype == torch.bfloat16 and _INTERPRETING,
+            num_warps=num_warps, num_stages=num_stages,
+        )
+    return (out, lse) if return_lse else out
 
 
 def tree_attention_dims(q, k_cache, v_cache, block_table, query_start_loc, context_lens, ancestor_mask,
