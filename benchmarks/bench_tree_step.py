@@ -315,13 +315,6 @@ def check_attention(cache, fa, dev, cfg, Hq, results):
             row["one_kernel_rel_err"] = _rel(out, ref)
             row["one_kernel_lse_err"] = (lse - rlse).abs().max().item()
             good = row["one_kernel_rel_err"] <= 2e-2 and row["one_kernel_lse_err"] <= 2e-2
-            ws = K.SplitWorkspace(B, cache.k.shape[2], st.W, Hq // cache.k.shape[2], cache.k.shape[3], dev)
-            for rep in range(3):  # the tickets are reset by the kernel: the same result each launch
-                out, lse = K.tree_attention_split(*st.args(cache), workspace=ws, return_lse=True)
-                row["split_rel_err"] = max(row.get("split_rel_err", 0.0), _rel(out, ref))
-                row["split_lse_err"] = max(row.get("split_lse_err", 0.0), (lse - rlse).abs().max().item())
-            row["split_tickets_zero"] = bool((ws.tickets == 0).all())
-            good = good and row["split_rel_err"] <= 2e-2 and row["split_lse_err"] <= 2e-2 and row["split_tickets_zero"]
             meta = ctx_pass.metadata(st, causal=False)
             o = torch.empty_like(st.q)
             try:
@@ -433,9 +426,6 @@ def bench_attention(cache, fa, dev, B, n, ctx, Hq, l2, timer):
     idx = [i % sets for i in range(max(sets, MIN_CALLS))]
     row["calls"] = len(idx)
     row["one_kernel"] = timer([lambda i=i: K.tree_attention(*st.args(cache, i), out=out) for i in idx])
-    ws = K.SplitWorkspace(B, Hkv, st.W, Hq // Hkv, D, dev)  # tree_attention_split's default plan
-    row["split"] = timer([lambda i=i: K.tree_attention_split(*st.args(cache, i), workspace=ws, out=out2) for i in idx])
-    row["split_plan"] = list(K.tree_attention_split_plan(B, Hkv, st.W, Hq // Hkv, dev))
     row["tree_pass_merge"] = timer([lambda i=i: K.tree_attention_merge(*st.args(cache, i), fake_ctx, fake_lse,
                                                                         out=out2) for i in idx])
     if fa is not None:
@@ -482,7 +472,6 @@ def bench_attention(cache, fa, dev, B, n, ctx, Hq, l2, timer):
                 torch.cuda.synchronize()
             row["conc_maxdiff"] = (out3.float() - want).abs().max().item()
             row["ratio_one_kernel"] = row["one_kernel"] / row["chain_fa3"]
-            row["ratio_split"] = row["split"] / row["chain_fa3"]
         except Exception:  # noqa: BLE001
             row["fa_error"] = traceback.format_exc()[-2500:]
             log(row["fa_error"])
@@ -529,52 +518,6 @@ def sweep_pass(cache, dev, Hq, l2, timer, shapes, cfgs, deadline):
         default = res[0] if res else None  # the launcher's defaults
         out_rows.append(dict(B=B, n=n, ctx=ctx, best=ok[:5], default=default, tried=len(res)))
         log(f"[sweep] B={B} n={n} ctx={ctx}: best {ok[:3]} default {default}")
-    return out_rows
-
-
-SPLIT_SHAPES = tuple((B, n, ctx) for ctx in (1024, 16384) for n in (16, 64) for B in (1, 8, 32))
-# tree_attention_split: the context splits per M tile at the default tiles, then the tiles, stages and
-# warps at the default splits (None = the plan's default)
-SPLIT_CFGS = ([dict(splits=S) for S in (1, 2, 4, 8, 16, 32)]
-              + [dict(block_n=bn) for bn in (32, 128)] + [dict(num_stages=ns) for ns in (1, 3)]
-              + [dict(num_warps=8), dict(block_m=128), dict(block_m=128, num_warps=8), dict(block_m=32),
-                 dict(block_n=128, num_stages=3), dict(block_n=32, num_stages=3)])
-
-
-def split_sweep(cache, dev, Hq, l2, timer, shapes, cfgs, deadline):
-    """tree_attention_split per launch configuration (each checked against the default's output
-    first): which context splits, tiles, stages and warps are fastest at each shape."""
-    out_rows = []
-    Hkv, D = cache.k.shape[2], cache.k.shape[3]
-    for si, (B, n, ctx) in enumerate(shapes):
-        gen = torch.Generator().manual_seed(7 * B + n + ctx)
-        sets = n_sets(B * (ctx + n + 1) * Hkv * D * 2 * cache.k.element_size(), l2)
-        while sets > 1 and sets * B * math.ceil((ctx + n + 1) / cache.bs) > cache.nb:
-            sets -= 1
-        st = Step(cache, B, n, ctx, Hq, dev, gen, sets=sets)
-        out2 = torch.empty_like(st.q)
-        ref = K.tree_attention_split(*st.args(cache, 0))
-        res = []
-        shape_deadline = time.time() + (deadline - time.time()) / max(1, len(shapes) - si)
-        for cfg in [{}] + list(cfgs):  # the default plan first
-            if time.time() > shape_deadline:
-                break
-            try:
-                ws = K.SplitWorkspace(B, Hkv, st.W, Hq // Hkv, D, dev, splits=cfg.get("splits"),
-                                      block_m=cfg.get("block_m"))
-                got = K.tree_attention_split(*st.args(cache, 0), workspace=ws, **cfg)
-                err = (got.float() - ref.float()).abs().max().item()
-                us = timer([lambda i=i % sets: K.tree_attention_split(*st.args(cache, i), workspace=ws, out=out2, **cfg)
-                            for i in range(max(sets, MIN_CALLS))])
-                plan = K.tree_attention_split_plan(B, Hkv, st.W, Hq // Hkv, dev, splits=cfg.get("splits"),
-                                                   block_m=cfg.get("block_m"))
-                res.append(dict(cfg, us=us, maxdiff=err, plan=list(plan)))
-            except Exception as e:  # noqa: BLE001 (a config that does not compile: skipped)
-                res.append(dict(cfg, error=f"{type(e).__name__}: {str(e)[:200]}"))
-        ok = sorted((r for r in res if "us" in r), key=lambda r: r["us"])
-        default = res[0] if res else None
-        out_rows.append(dict(B=B, n=n, ctx=ctx, best=ok[:5], default=default, tried=len(res), all=res))
-        log(f"[split-sweep] B={B} n={n} ctx={ctx}: best {ok[:3]} default {default}")
     return out_rows
 
 
@@ -774,10 +717,6 @@ def main():
                     help="seconds for a launch-configuration sweep of the tree pass (0: none)")
     ap.add_argument("--compaction-sweep", type=float, default=0.0,
                     help="seconds for a launch-configuration sweep of the KV compaction (0: none)")
-    ap.add_argument("--split-sweep", type=float, default=0.0,
-                    help="seconds for a launch-configuration sweep of tree_attention_split (0: none)")
-    ap.add_argument("--split-only", action="store_true",
-                    help="only the attention checks and the split sweep (no timing rows, no compaction)")
     ap.add_argument("--compaction-only", action="store_true",
                     help="only the compaction check, its timing rows and its sweep (no attention)")
     args = ap.parse_args()
@@ -825,14 +764,12 @@ def main():
     log(f"KV cache: {nb} blocks x 16 x {Hkv} x {2 * D} bf16 = {cache.phys.numel() * 2 / 2**30:.2f} GiB "
         f"({time.time() - t_start:.1f}s)")
     failed = []
-    if args.compaction_only or args.split_only:
+    if args.compaction_only:
         ctxs = []
-    if args.split_only:
-        comp_cfg = []
     if not args.skip_checks:
         if not args.compaction_only and not check_attention(cache, fa, dev, checks, Hq, results):
             failed.append("attention")
-        if not args.split_only and not check_compaction(dev, Hkv, D, hidden if smoke else 256, results):
+        if not check_compaction(dev, Hkv, D, hidden if smoke else 256, results):
             failed.append("compaction")
         log(f"[check] done ({time.time() - t_start:.1f}s)")
     if comp_cfg:
@@ -862,10 +799,6 @@ def main():
         shapes = SWEEP_SHAPES if not smoke else ((2, 4, 20),)
         cfgs = SWEEP_CFGS if not smoke else SWEEP_CFGS[:2]
         results["sweep"] = sweep_pass(cache, dev, Hq, l2, timer, shapes, cfgs, time.time() + args.sweep)
-    if args.split_sweep > 0 and not args.compaction_only:
-        shapes = SPLIT_SHAPES if not smoke else ((2, 4, 20),)
-        cfgs = SPLIT_CFGS if not smoke else SPLIT_CFGS[:2]
-        results["split_sweep"] = split_sweep(cache, dev, Hq, l2, timer, shapes, cfgs, time.time() + args.split_sweep)
     for ctx in ctxs:
         for n in ns:
             for B in batches:
@@ -911,11 +844,11 @@ def print_table(res):
             f"{k}={_g(v)}" for k, v in c.items() if k not in ("check", "ok", "error")))
     log(f"µs per call, CUDA-graph replay median over graphs of >= {MIN_CALLS} calls (sets of block tables / calls). chain = FA3 causal over ctx+n+1 keys (the chain step's "
         "attention, n+1 query rows); tree = FA3 context pass + tree_attention_merge; ctx = FA3 context "
-        "pass alone; pass = tree pass + merge alone; one = tree_attention (one kernel); split = tree_attention_split (one launch, context split over programs); 2pass = tree pass alone, "
+        "pass alone; pass = tree pass + merge alone; one = tree_attention (one kernel); 2pass = tree pass alone, "
         "FA3 context pass, merge_attention_states; conc = the same with the tree pass on a second stream beside "
         "the context pass (diff: max |conc - tree| of one call)")
     log(f"{'B':>3} {'n':>3} {'ctx':>6} | {'chain':>8} {'tree':>8} {'x':>6} | {'ctx':>8} {'pass':>8} | "
-        f"{'one':>8} {'x':>6} | {'2pass':>8} {'conc':>8} {'x':>6} {'diff':>8} | {'split':>8} {'x':>6} | sets/calls")
+        f"{'one':>8} {'x':>6} | {'2pass':>8} {'conc':>8} {'x':>6} {'diff':>8} | sets/calls")
     for r in res["rows"]:
         if "error" in r:
             log(f"{r['B']:>3} {r['n']:>3} {r['ctx']:>6} | ERROR")
@@ -923,8 +856,7 @@ def print_table(res):
         log(f"{r['B']:>3} {r['n']:>3} {r['ctx']:>6} | {_f(r.get('chain_fa3'))} {_f(r.get('tree_fa3_merge'))} "
             f"{_f(r.get('ratio'), 6, 2)} | {_f(r.get('fa3_ctx'))} {_f(r.get('tree_pass_merge'))} | "
             f"{_f(r.get('one_kernel'))} {_f(r.get('ratio_one_kernel'), 6, 2)} | {_f(r.get('tree_2pass'))} "
-            f"{_f(r.get('tree_conc'))} {_f(r.get('ratio_conc'), 6, 2)} {_g(r.get('conc_maxdiff'))} | "
-            f"{_f(r.get('split'))} {_f(r.get('ratio_split'), 6, 2)} | {r['sets']}/{r.get('calls', r['sets'])}")
+            f"{_f(r.get('tree_conc'))} {_f(r.get('ratio_conc'), 6, 2)} {_g(r.get('conc_maxdiff'))} | {r['sets']}/{r.get('calls', r['sets'])}")
     fl = res.get("launch_floor")
     if res.get("copy_bytes_per_s"):
         rates = ", ".join(f"{k} {v / 1e12:.2f}" for k, v in (res.get("copy_rates") or {}).items())
@@ -945,15 +877,6 @@ def print_table(res):
             f"{c.get('gather_seq_us', float('nan')):.1f} ({c['gather_us']:.1f}) µs{floor}")
     for s in res["skipped"]:
         log(f"skipped (time budget): B={s['B']} n={s['n']} ctx={s['ctx']}")
-    for sw in res.get("split_sweep") or []:
-        b = sw["best"][0] if sw["best"] else {}
-        d = sw["default"] or {}
-        log(f"split sweep B={sw['B']} n={sw['n']} ctx={sw['ctx']}: default {_f(d.get('us'))} µs (plan "
-            f"{d.get('plan')}); best {_f(b.get('us'))} µs " + str({k: v for k, v in b.items() if k not in ("us", "maxdiff")}))
-    rs = [r["ratio_split"] for r in res["rows"] if "ratio_split" in r]
-    if rs:
-        log(f"goal tree <= 1.1x chain with tree_attention_split (one launch, no FA3): met in "
-            f"{sum(x <= 1.1 for x in rs)} of {len(rs)} rows (ratios {min(rs):.2f} .. {max(rs):.2f})")
     rat = [r["ratio"] for r in res["rows"] if "ratio" in r]
     rc = [r["ratio_conc"] for r in res["rows"] if "ratio_conc" in r]
     if rc:

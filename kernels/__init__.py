@@ -8,8 +8,7 @@ executable spec. ``build_tree`` is the Triton DDTree tree builder (``kernels/bui
 their references and ``TRITON_AVAILABLE`` is False (a warning says why).
 
 The tree-shaped target step (docs/tree-step.md): ``tree_attention`` (context + tree in one
-kernel), ``tree_attention_split`` (the same in one launch with the context split over programs),
-``tree_attention_merge`` (the tree pass merged with a FlashAttention context pass),
+kernel), ``tree_attention_merge`` (the tree pass merged with a FlashAttention context pass),
 ``KVCompactor`` / ``compact_kv`` (target KV moved along the accepted path), ``RowGatherer`` /
 ``gather_accepted_rows`` (drafter hidden rows + linear positions), ``kv_views`` /
 ``packed_kv_view`` (per-release cache layouts as views); references in
@@ -73,14 +72,11 @@ if TRITON_AVAILABLE:
         packed_kv_view,
     )
     from .tree_attention import (  # noqa: E402,F401
-        SplitWorkspace,
         ancestor_rows,
         merge_attention_states,
         tree_attention,
         tree_attention_dims,
         tree_attention_merge,
-        tree_attention_split,
-        tree_attention_split_plan,
     )
 else:  # pragma: no cover - exercised only without triton
     def _no_triton(name):
@@ -93,9 +89,6 @@ else:  # pragma: no cover - exercised only without triton
     tree_attention = _no_triton("tree_attention")
     ancestor_rows = _no_triton("ancestor_rows")
     tree_attention_merge = _no_triton("tree_attention_merge")
-    tree_attention_split = _no_triton("tree_attention_split")
-    SplitWorkspace = _no_triton("SplitWorkspace")
-    tree_attention_split_plan = _no_triton("tree_attention_split_plan")
     tree_attention_dims = _no_triton("tree_attention_dims")
     merge_attention_states = _no_triton("merge_attention_states")
     compact_kv = _no_triton("compact_kv")
@@ -105,6 +98,6 @@ else:  # pragma: no cover - exercised only without triton
     kv_views = _no_triton("kv_views")
     packed_kv_view = _no_triton("packed_kv_view")
 
-__all__ += ["ancestor_rows", "ancestor_rows_ref", "merge_attention_states", "tree_attention", "tree_attention_dims", "tree_attention_merge", "tree_attention_split", "tree_attention_split_plan", "SplitWorkspace", "tree_attention_ref", "context_attention_ref",
+__all__ += ["ancestor_rows", "ancestor_rows_ref", "merge_attention_states", "tree_attention", "tree_attention_dims", "tree_attention_merge", "tree_attention_ref", "context_attention_ref",
             "causal_attention_ref", "KVCompactor", "compact_kv", "compact_kv_ref", "RowGatherer",
             "gather_accepted_rows", "gather_accepted_rows_ref", "kv_views", "packed_kv_view"]

@@ -195,14 +195,6 @@ def tree_step_variants():
                TA._tree_tile_kernel, types, dict(
                    G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=bm, BLOCK_T=bt, CTX_MODE=mode, WRITE_LSE=lse,
                    HAS_REQ_MASK=rmask, DOT_PREC="tf32", DOT_UPCAST=False), 0)
-    split_types = dict({k: v for k, v in TREE_ATTN_PTRS.items() if k not in (
-        "ctx_out_ptr", "ctx_lse_ptr", "s_cot", "s_coh", "s_cod", "s_clh", "s_clt")},
-        part_ptr="*fp32", ml_ptr="*fp32", cnt_ptr="*i32", n_mt="i32")
-    for bm, bt, splits, lse in ((64, 32, 16, False), (128, 32, 3, False), (64, 64, 1, True)):
-        yield (f"tree_split bf16 BLOCK_M={bm} BLOCK_T={bt} SPLITS={splits} lse={lse}", TA._tree_split_kernel,
-               split_types, dict(G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=bm, BLOCK_N=64, BLOCK_T=bt,
-                                 SPLITS=splits, WRITE_LSE=lse, HAS_REQ_MASK=True, DOT_PREC="tf32",
-                                 DOT_UPCAST=False), dict(num_stages=2))
     for elt, name, g, cnt, vec in ((tl.int16, "bf16", 2, True, 8), (tl.int8, "fp8", 2, False, 16),
                                    (tl.int16, "bf16", 1, False, 8), (tl.int16, "bf16", 16, False, 1)):
         yield f"move_rows kv {name} depths/tile={g} counts={cnt} vec={vec}", KC._move_rows_kernel, MOVE_PTRS, dict(
