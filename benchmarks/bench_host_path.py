@@ -23,7 +23,7 @@ the GPU drained before every call, so nothing waits on a full launch queue), med
 ``compact``        ``KVCompactor`` over 36 layers' K/V views with the device counters (the
                    compaction after the walk: its kernel launch and checks)
 ``rows``           ``RowGatherer`` on one ``[T, 12288]`` tensor with positions (the drafter rows)
-``build_tree``     ``kernels.build_tree`` on bf16 logits ``[B, L, V]`` (the proposer's builder)
+``build_tree``     ``kernels.build_tree`` on bf16 logits ``[B, L, V]`` (the proposer's call: spine-first, no mask)
 ``build_fresh``    the same with the first stage's scratch cache emptied before each call (the
                    builder before the cache: five allocations and a memset more)
 ``dd_build``       ``DDTreeDrafter.build`` + ``choose`` of an all-tree batch (the V1 proposer's
@@ -243,13 +243,17 @@ def main() -> int:
                     row["compact"] = host_us(c.compact, iters, sync)
                     row["rows"] = host_us(c.drafter_rows, iters, sync)
                     logits = torch.randn(B, L, V, device=dev).to(torch.bfloat16 if dev.type == "cuda" else torch.float32)
-                    row["build_tree"] = host_us(lambda: K.build_tree(logits, N), iters, sync)
+                    from ddtree_patcher.runtime.ddtree import SPINE_FIRST
+
+                    def build():  # the proposer's call (DDTreeDrafter.build)
+                        return K.build_tree(logits, N, None, ancestor_mask=False, spine_first=SPINE_FIRST)
+
+                    row["build_tree"] = host_us(build, iters, sync)
                     import importlib
 
                     bt = importlib.import_module("ddtree_patcher.kernels.build_tree")
-                    row["build_fresh"] = host_us(lambda _: K.build_tree(logits, N), iters, sync,
-                                                 setup=bt._SCRATCH.clear)
-                    t1, t2 = K.build_tree(logits, N), K.build_tree(logits, N)  # cached scratch: same trees
+                    row["build_fresh"] = host_us(lambda _: build(), iters, sync, setup=bt._SCRATCH.clear)
+                    t1, t2 = build(), build()  # cached scratch: same trees
                     for f in ("tokens", "parents", "depths", "scores", "exact", "lse", "topk_ids"):
                         assert torch.equal(getattr(t1, f), getattr(t2, f)), f
                     from ddtree_patcher.runtime.ddtree import DDTreeDrafter

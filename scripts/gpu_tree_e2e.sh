@@ -13,6 +13,8 @@
 #   run(carry=[".bundle/02"],         command="bash scripts/gpu_tree_e2e.sh stage2")
 # stage2 prints a table and "TREE-E2E ok" or "TREE-E2E FAIL <what>"; $OUT/tree_e2e.json, $OUT/*.log.
 # ONLY="nospec dd-eager" limits the engines; BUDGET (s, default 420) bounds the engines' time.
+# SIBLING=49.5: the contested drafter of branchy_ckpts.py (its top two close: most trees' spine-first
+# node order differs from their pop order, so the tree step runs renumbered trees; default 48).
 # nospec-mix / dd-mix: the CPU e2e test's mixed scenario (prefix caching, chunked prefill, joins,
 # requests vLLM's chain sampler verifies in tree steps, preemption), PIECEWISE. *-fg: the same with
 # FULL_AND_PIECEWISE (vLLM's default: FULL graphs for uniform decode batches; tree-step ABI 3), each
@@ -27,7 +29,7 @@
 set -u
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 O=${OUT:-/tmp/out}; mkdir -p "$O"
-L=${LOGS:-/tmp/tree_e2e_logs_${DTYPE:-float16}}; mkdir -p "$L"
+L=${LOGS:-/tmp/tree_e2e_logs_${DTYPE:-float16}${SIBLING:+-s$SIBLING}}; mkdir -p "$L"
 T0=$(date +%s)
 ph() { echo "=== PHASE $1 at +$(( $(date +%s) - T0 ))s"; }
 # the mixed scenario of tests/patches/test_ddtree_e2e.py (prefix caching, chunked prefill, joins,
@@ -74,14 +76,14 @@ stage2)
   bundle_install
   export VLLM_USE_V2_MODEL_RUNNER=0 DTYPE=${DTYPE:-float16} GPU_MEM=0.2 DEPTH=3 DDTREE_PATCH_BUDGET=8 \
     N_PROMPTS=${N_PROMPTS:-6} MAX_TOKENS=${MAX_TOKENS:-48}
-  export ROOT=/tmp/tiny-branchy-$DTYPE
+  export ROOT=/tmp/tiny-branchy-$DTYPE${SIBLING:+-s$SIBLING}
   ph apply
   bundle_apply_series
   grep -E "^(PATCH|[a-z-]+ +(applied|upstream|not-applicable|pending))" "$O/apply.log" 2>/dev/null | cut -c1-60
   if [ ! -d "$ROOT/target" ]; then
     ph ckpt
     python3 "$REPO/tests/patches/engine_tools/make_tiny_ckpts.py" "$ROOT" "$DTYPE" > /dev/null \
-      && python3 "$REPO/tests/patches/ddtree_tree_step/branchy_ckpts.py" "$ROOT" || exit 6
+      && python3 "$REPO/tests/patches/ddtree_tree_step/branchy_ckpts.py" "$ROOT" ${SIBLING:-} || exit 6
   fi
   for e in "${ENGINES[@]}"; do
     set -- $e; tag=$1; shift

