@@ -10,7 +10,8 @@ What it does, in one process:
    logits, with inactive rows; the chain budget (K = 1, budget = L) == ``torch.argmax``.
 3. Timing (CUDA-graph replay, median; inputs rotated so one replay reads > 2x L2): for
    B in {1, 8, 64, 256}, budget in {16, 64, 256}, L = 16, V = 151,936, bf16 logits:
-   ``build_tree`` (default K, ancestor mask on), its stage 1 alone (``draft_topk``: the one
+   ``build_tree`` (default K) as the runtime calls it (spine-first node order, no ancestor rows),
+   and with the ancestor rows in spine-first and in pop order, its stage 1 alone (``draft_topk``: the one
    read of the logits), DFlash's own ``torch.argmax(logits, -1)``, and the floor
    B*L*V*2 bytes / copy bandwidth. A short sweep of tuning knobs follows.
 4. Prints a table and writes everything to ``$OUT/bench_build_tree.json`` (or ``--out``).
@@ -235,17 +236,20 @@ def _bench(B, budgets, L, V, dev, l2, bw, read_bw, knobs, seed):
                             for s in sets], reps_for(floor * 2 + 10))
             k_default = k
 
-        def build(s, sf):
+        def build(s, sf, rows=True):
             return build_tree(s, n, knobs.get("topk"), chunk=knobs.get("chunk"),
                               chunk_warps=knobs.get("chunk_warps"), tree_warps=knobs.get("tree_warps"),
-                              spine_first=sf)
-        # the runtime's node order (spine-first, ddtree_patcher.runtime.ddtree.SPINE_FIRST) and pop order
-        us = tm([lambda s=s: build(s, True) for s in sets], reps_for(floor * 2 + 30))
+                              spine_first=sf, ancestor_mask=rows, frontier_start=knobs.get("frontier_start"))
+        # the runtime's exact call (ddtree_patcher.runtime.ddtree: spine-first node order, no ancestor
+        # rows: the tree step makes its own), then the builder's default output (with the rows) in
+        # spine-first and in pop order
+        us = tm([lambda s=s: build(s, True, False) for s in sets], reps_for(floor * 2 + 30))
+        rows_us = tm([lambda s=s: build(s, True) for s in sets], reps_for(floor * 2 + 30))
         pop_us = tm([lambda s=s: build(s, False) for s in sets], reps_for(floor * 2 + 30))
         t = build_tree(sets[0], n, knobs.get("topk"))
         row = dict(B=B, n=n, L=L, V=V, K=k,
                    knobs={a: b for a, b in knobs.items() if b or a == "preload"},
-                   sets=R, build_us=us, build_pop_order_us=pop_us, stage1_us=stage1_us,
+                   sets=R, build_us=us, build_rows_us=rows_us, build_pop_order_us=pop_us, stage1_us=stage1_us,
                    tree_stage_us=us - stage1_us,
                    argmax_us=argmax_us, floor_us=floor, x_floor=us / floor,
                    read_floor_us=read_floor, x_read_floor=us / read_floor,
@@ -259,6 +263,44 @@ def _bench(B, budgets, L, V, dev, l2, bw, read_bw, knobs, seed):
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return rows
+
+
+def tree_ab(B, budgets, L, V, dev, seed, reps=200):
+    """The tree stage alone (``tree_stage``, one ``_tree_kernel`` launch) on one set of stage-1
+    tables, per knob variant: the pops' first frontier width (``frontier_start``; NP = one width
+    throughout), the ancestor rows on / off, the node order. Each variant's output must equal the
+    first variant's of its (order, rows), which is checked against ``build_tree_ref`` at B <= 8.
+    µs per launch, 8 launches per CUDA graph (the tables stay in L2, as after stage 1)."""
+    x = drafter_logits(B, L, V, dev, seed)
+    out = []
+    for n in budgets:
+        k = min(n, 8)
+        lse, lp, ids = draft_topk(x, k)
+        base = {}
+        NP = max(32, BT._next_pow2(n))
+        starts = [NP] + [w for w in (128, 64, 32) if w < NP]  # NP: one width throughout
+        for sf, am, w0 in ([(True, False, w) for w in starts] + [(True, True, w) for w in starts]
+                           + [(False, True, NP), (False, True, min(NP, BT.FRONTIER_START))]):
+            def call(sf=sf, am=am, w0=w0):
+                return BT.tree_stage(lse, lp, ids, n, k, ancestor_mask=am, spine_first=sf, frontier_start=w0)
+            t = call()
+            key = (sf, am)
+            if key not in base:
+                base[key] = t
+                if B <= 8:  # the first variant against the reference (the others against it below)
+                    r = build_tree_ref(x, n, k, lse=t.lse, spine_first=sf, ancestor_mask=am)
+                    if not all((getattr(t, f) is None and getattr(r, f) is None)
+                               or torch.equal(getattr(t, f), getattr(r, f)) for f in t._fields):
+                        log(f"[tree-ab] B={B} n={n} sf={sf} am={am}: the kernel != build_tree_ref")
+                        base[key] = r  # every variant is then compared with the reference
+            same = all((getattr(t, f) is None and getattr(base[key], f) is None)
+                       or torch.equal(getattr(t, f), getattr(base[key], f)) for f in t._fields)
+            us = graph_time([call] * 8, reps) if dev.type == "cuda" else wall_time([call], 2)
+            row = dict(B=B, n=n, K=k, spine_first=sf, ancestor_mask=am, frontier_start=w0, tree_us=us,
+                       equal=same, max_depth=int(t.depths.max()))
+            out.append(row)
+            log(f"[tree-ab] {json.dumps({a: (round(b, 2) if isinstance(b, float) else b) for a, b in row.items()})}")
+    return out
 
 
 def anatomy(B, L, V, dev, l2, bw):
@@ -331,6 +373,9 @@ def main():
     ap.add_argument("--anatomy", action="store_true",
                     help="also time the first stage's streaming alone (no candidate selection, "
                          "no merge) and torch.amax / torch.sum of the same logits")
+    ap.add_argument("--tree-ab", action="store_true",
+                    help="also time the tree stage alone per knob: the pops' first frontier width, "
+                         "ancestor rows, node order (2026-12-03)")
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--time-budget", type=float, default=150.0,
                     help="seconds after which the remaining sweep entries are skipped")
@@ -404,6 +449,18 @@ def main():
                 results["sweep"].append(dict(B=B, knobs=knobs, error=traceback.format_exc()[-2000:]))
                 log(results["sweep"][-1]["error"])
                 ok = False
+    if args.tree_ab:
+        results["tree_ab"] = []
+        for B in batch:
+            try:
+                results["tree_ab"] += tree_ab(B, sorted(set(budgets) | ({63} if not smoke else set())),
+                                              L, V, dev, 11)
+            except Exception:  # noqa: BLE001
+                results["tree_ab"].append(dict(B=B, error=traceback.format_exc()[-2000:]))
+                log(results["tree_ab"][-1]["error"])
+                ok = False
+        if not all(r.get("equal", False) for r in results["tree_ab"]):
+            ok = False
     if args.anatomy and dev.type == "cuda":
         results["anatomy"] = []
         for B in batch:
@@ -429,26 +486,27 @@ def _f(v, w=7, p=1):
 
 
 def print_table(res):
-    log("\n" + "=" * 127)
+    log("\n" + "=" * 136)
     log(f"{res['device']} | torch {res['torch']} | triton {res['triton']} | copy "
         f"{res['copy_bw'] / 1e12:.2f} TB/s, read {res['read_bw'] / 1e12:.2f} TB/s | {res['date']}")
     log("µs, CUDA-graph replay median; floor = B*L*V*2 B / copy bandwidth (x = build / floor; "
         "xR: same with the bf16 read bandwidth); stage1 = top-K + lse (one read of the logits); "
-        "tree = build - stage1; -argmax = build - torch.argmax; build in the runtime's spine-first "
-        "node order, pop = the same in pop order")
-    log(f"{'B':>4} {'n':>4} {'K':>4} | {'build':>8} {'pop':>8} {'stage1':>8} {'tree':>7} | {'argmax':>8} "
+        "tree = build - stage1; -argmax = build - torch.argmax; build = the runtime's call (spine-first "
+        "node order, no ancestor rows), +rows = the same with the ancestor rows, pop = +rows in pop order")
+    log(f"{'B':>4} {'n':>4} {'K':>4} | {'build':>8} {'+rows':>8} {'pop':>8} {'stage1':>8} {'tree':>7} | {'argmax':>8} "
         f"{'floor':>8} {'x':>5} {'xR':>5} {'-argmax':>8} | {'exact':>5} {'depth':>5} | knobs")
     for r in res["rows"] + res["sweep"]:
         if "error" in r:
             log(f"{r['B']:>4} ERROR {r.get('knobs', '')}")
             continue
-        log(f"{r['B']:>4} {r['n']:>4} {r['K']:>4} | {_f(r['build_us'], 8)} {_f(r.get('build_pop_order_us'), 8)} "
+        log(f"{r['B']:>4} {r['n']:>4} {r['K']:>4} | {_f(r['build_us'], 8)} {_f(r.get('build_rows_us'), 8)} "
+            f"{_f(r.get('build_pop_order_us'), 8)} "
             f"{_f(r['stage1_us'], 8)} "
             f"{_f(r['tree_stage_us'], 7)} | {_f(r['argmax_us'], 8)} {_f(r['floor_us'], 8)} "
             f"{_f(r['x_floor'], 5, 2)} {_f(r['x_read_floor'], 5, 2)} {_f(r['minus_argmax_us'], 8)} | "
             f"{_f(r['exact_frac'], 5, 2)} "
             f"{_f(r['mean_depth'], 5, 1)} | {r['knobs'] or ''}")
-    log("=" * 127)
+    log("=" * 136)
 
 
 if __name__ == "__main__":

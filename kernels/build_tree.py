@@ -475,6 +475,54 @@ def _seg_kernel(
 
 
 @triton.jit
+def _pops(HI, LO, PS, SL, count, maxd, last, go, lim, budget, K, L, lp_b, id_b, tok_b, par_b, dep_b,
+          score_b, KP: tl.constexpr):
+    """Best-first pops until ``count == lim`` (or the frontier is spent). The frontier vectors
+    (HI, LO, PS) hold one entry per emitted node, SL its slot id (the node index); ``lim`` is
+    below their width, so the new node's slot j = count + 1 is always held."""
+    while go & (count < lim):
+        mhi = tl.max(HI, axis=0)
+        ok = mhi > ORD_NEG_INF  # σ > -inf (and not the empty sentinel)
+        lo = tl.max(tl.where(HI == mhi, LO, -1), axis=0)
+        p = 2047 - (lo & 2047)
+        r = 1023 - ((lo >> 11) & 1023)
+        d = 63 - (lo >> 21)
+        sig = _unord(mhi)
+        j = count + 1
+        has_sib = ok & (r + 1 < K)
+        has_child = ok & (d < L)
+        trow = (d - 1) * KP  # int32 offsets from the request's table
+        lp_sib = tl.load(lp_b + trow + r + 1, mask=has_sib, other=float("-inf"))
+        lp_ch = tl.load(lp_b + trow + KP, mask=has_child, other=float("-inf"))
+        tok = tl.load(id_b + trow + r, mask=ok, other=-1)
+        # slot p: the popped node's next sibling (σ(p) + lp, fp32), rank + 1; without one
+        # lp_sib = -inf, so σ = -inf: never popped, like an empty slot
+        HI = tl.where(SL == p, _ord0(PS + lp_sib), HI)
+        LO = tl.where(SL == p, lo - 2048, LO)
+        # slot j: the new node's first child
+        HI = tl.where(SL == j, tl.where(has_child, _ord0(sig + lp_ch), SENT32), HI)
+        LO = tl.where(SL == j, ((62 - d) << 21) + (1023 << 11) + (2047 - j), LO)
+        PS = tl.where(SL == j, sig, PS)
+        tl.store(tok_b + count, tok, mask=ok)
+        tl.store(par_b + count, p, mask=ok)
+        tl.store(dep_b + count, d, mask=ok)
+        tl.store(score_b + count, sig, mask=ok)
+        last = tl.where(ok, sig, last)
+        maxd = tl.where(ok, tl.maximum(maxd, d), maxd)
+        count = tl.where(ok, j, count)
+        go = ok & (count < budget)
+
+    return HI, LO, PS, count, maxd, last, go
+
+
+@triton.jit
+def _widen(x, y):
+    """[W], [W] -> [2W]: x's entries and y's, interleaved (the order of the frontier's entries
+    does not matter: SL carries each entry's slot id)."""
+    return tl.reshape(tl.join(x, y), [2 * x.shape[0]])
+
+
+@triton.jit
 def _tree_kernel(
     top_lp_ptr,  # [B, L, KP] float32
     top_id_ptr,  # [B, L, KP] int32
@@ -498,6 +546,8 @@ def _tree_kernel(
     WRITE_MASK: tl.constexpr,
     TP: tl.constexpr,  # > 0: touch the whole [L, KP] table first, TP = next_pow2(L * KP)
     SPINE_FIRST: tl.constexpr,  # reorder the nodes: the spine (rank-0 chain) first, then pop order
+    W0: tl.constexpr,  # the first pops' frontier width (a power of two <= NP)
+    NPH: tl.constexpr,  # W0 << NPH == NP: the frontier doubles NPH times during the pops
 ):
     b = tl.program_id(0)
     tb = b.to(tl.int64) * L * KP
@@ -517,9 +567,10 @@ def _tree_kernel(
     dep_b = dep_ptr + ob
     score_b = score_ptr + ob
     lp00 = tl.load(lp_b)
-    HI = tl.where((slot == 0) & act, _ord0(lp00), SENT32)
-    LO = tl.where(slot == 0, (62 << 21) + (1023 << 11) + 2047, 0)
-    PS = tl.zeros([NP], dtype=tl.float32)  # σ of emitted nodes (root: 0)
+    SL = tl.arange(0, W0)  # each frontier entry's slot (its node index)
+    HI = tl.where((SL == 0) & act, _ord0(lp00), SENT32)
+    LO = tl.where(SL == 0, (62 << 21) + (1023 << 11) + 2047, 0)
+    PS = tl.zeros([W0], dtype=tl.float32)  # σ of emitted nodes (root: 0)
     count = b * 0
     maxd = count
     last = count.to(tl.float32) - float("inf")
@@ -534,36 +585,18 @@ def _tree_kernel(
         warm_i = tl.load(id_b + tq, mask=tm, other=0)
         warm_l = tl.load(lp_b + tq, mask=tm, other=0.0)
         go = go & ((tl.min(warm_i, axis=0) >= -1) | (tl.max(warm_l, axis=0) > 0.0))
-    while go:
-        mhi = tl.max(HI, axis=0)
-        ok = mhi > ORD_NEG_INF  # σ > -inf (and not the empty sentinel)
-        lo = tl.max(tl.where(HI == mhi, LO, -1), axis=0)
-        p = 2047 - (lo & 2047)
-        r = 1023 - ((lo >> 11) & 1023)
-        d = 63 - (lo >> 21)
-        sig = _unord(mhi)
-        j = count + 1
-        has_sib = ok & (r + 1 < K)
-        has_child = ok & (d < L)
-        trow = (d - 1) * KP  # int32 offsets from the request's table
-        lp_sib = tl.load(lp_b + trow + r + 1, mask=has_sib, other=float("-inf"))
-        lp_ch = tl.load(lp_b + trow + KP, mask=has_child, other=float("-inf"))
-        tok = tl.load(id_b + trow + r, mask=ok, other=-1)
-        # slot p: the popped node's next sibling (σ(p) + lp, fp32), rank + 1
-        HI = tl.where(slot == p, tl.where(has_sib, _ord0(PS + lp_sib), SENT32), HI)
-        LO = tl.where(slot == p, LO - 2048, LO)
-        # slot j: the new node's first child
-        HI = tl.where(slot == j, tl.where(has_child, _ord0(sig + lp_ch), SENT32), HI)
-        LO = tl.where(slot == j, ((62 - d) << 21) + (1023 << 11) + (2047 - j), LO)
-        PS = tl.where(slot == j, sig, PS)
-        tl.store(tok_b + count, tok, mask=ok)
-        tl.store(par_b + count, p, mask=ok)
-        tl.store(dep_b + count, d, mask=ok)
-        tl.store(score_b + count, sig, mask=ok)
-        last = tl.where(ok, sig, last)
-        maxd = tl.where(ok, tl.maximum(maxd, d), maxd)
-        count = tl.where(ok, j, count)
-        go = ok & (count < budget)
+    # The pops run on frontier vectors only as wide as the slots they can reach: the first pops on
+    # W0 slots, then the vectors double (NPH times) up to NP. A pop's cost grows with the width
+    # (the frontier's two reductions and its updates run over every entry): on an H200 at budget
+    # 256, 71 us with NP = 256 throughout, 59 us starting at 64 (run 9, docs/tree-builder.md).
+    for ph in tl.static_range(NPH):
+        HI, LO, PS, count, maxd, last, go = _pops(HI, LO, PS, SL, count, maxd, last, go,
+                                                  tl.minimum(budget, (W0 << ph) - 1), budget, K, L,
+                                                  lp_b, id_b, tok_b, par_b, dep_b, score_b, KP)
+        HI, LO, PS, SL = (_widen(HI, HI * 0 + SENT32), _widen(LO, LO * 0), _widen(PS, PS * 0.0),
+                          _widen(SL, SL + (W0 << ph)))
+    HI, LO, PS, count, maxd, last, go = _pops(HI, LO, PS, SL, count, maxd, last, go, budget, budget, K, L,
+                                              lp_b, id_b, tok_b, par_b, dep_b, score_b, KP)
 
     # padding: nodes count+1..budget
     pad = (slot >= count) & (slot < budget)
@@ -637,6 +670,10 @@ def _next_pow2(x: int) -> int:
     return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
 
 
+# The tree kernel's pops start on a frontier of this many slots (or NP when smaller) and double it
+# as the nodes need: on an H200 a pop cost ~0.09 / 0.17 / 0.31 us at 64 / 128 / 256 slots (fitted
+# to run 9a), and starting at 32 was no faster anywhere (run 9, docs/tree-builder.md).
+FRONTIER_START = 64
 SMALL_KP = 32  # K + 1 <= SMALL_KP: the one-pass segment kernel; larger K: chunk + merge kernels
 SEG_TILE = 4096  # vocab entries per thread block per step of _seg_kernel
 SEG_CTAS_PER_SM = 4  # _seg_kernel programs resident per SM (4 warps, <= 128 registers)
@@ -831,6 +868,7 @@ def build_tree(
     tree_warps: Optional[int] = None,
     mask_block: Optional[int] = None,
     spine_first: bool = False,
+    frontier_start: Optional[int] = None,
 ) -> DraftTree:
     """Build one DDTree draft tree per request from the drafter's logits; see ``docs/tree-builder.md``.
 
@@ -844,13 +882,33 @@ def build_tree(
     for K + 1 <= 32 (plus, at the first call of a shape, a 4-byte-per-row memset when rows are
     split into segments), three for larger K. Tuning (results do not depend on them): ``chunk`` (vocab entries per stage-1
     program, a power of two >= 2*next_pow2(K+1)), ``chunk_warps`` (stage-1 warps),
-    ``tree_warps``, ``mask_block`` (ancestor rows per step, a power of two).
+    ``tree_warps``, ``mask_block`` (ancestor rows per step, a power of two), ``frontier_start``
+    (the pops' first frontier width, a power of two >= 32; it doubles up to the budget's; default
+    FRONTIER_START).
     """
     B, L, V, n, K = check_build_args(draft_logits, budget, topk, active)
+    _frontier_start(frontier_start)  # before any launch
     lse, top_lp, top_id = draft_topk(draft_logits, K, active=active, chunk=chunk,
                                      chunk_warps=chunk_warps)
-    KP = top_lp.shape[-1]
-    dev = draft_logits.device
+    return tree_stage(lse, top_lp, top_id, n, K, active=active, ancestor_mask=ancestor_mask,
+                      tree_warps=tree_warps, mask_block=mask_block, spine_first=spine_first,
+                      frontier_start=frontier_start)
+
+
+def _frontier_start(v) -> int:
+    w = int(v) if v else FRONTIER_START
+    if w < 32 or w & (w - 1):
+        raise ValueError(f"build_tree: argument `frontier_start` must be a power of two >= 32, got {v!r}")
+    return w
+
+
+def tree_stage(lse, top_lp, top_id, n: int, K: int, *, active=None, ancestor_mask: bool = True,
+               tree_warps=None, mask_block=None, spine_first: bool = False,
+               frontier_start=None) -> DraftTree:
+    """Stage 2 of ``build_tree`` alone (one launch of ``_tree_kernel``) on ``draft_topk``'s output
+    (``K`` <= its columns - 1, ``n`` the budget); arguments checked by ``build_tree``."""
+    B, L, KP = top_lp.shape
+    dev = top_lp.device
     NW = (n + 1 + 31) // 32
     i32 = torch.int32
     tokens = torch.empty((B, n), dtype=i32, device=dev)
@@ -867,13 +925,14 @@ def build_tree(
         RB = int(mask_block) if mask_block else max(1, min(_next_pow2(n + 1), 1024 * nw // NWP))
         if RB & (RB - 1):
             raise ValueError(f"build_tree: argument `mask_block` must be a power of two, got {mask_block!r}")
+        W0 = min(_frontier_start(frontier_start), NP)
         _tree_kernel[(B,)](
             top_lp, top_id, active, tokens, parents, depths, scores, mask, exact, order,
             L, K, n, NW,
             KP=KP, NP=NP, NWP=NWP, RB=RB, HAS_ACTIVE=active is not None,
             WRITE_MASK=ancestor_mask, num_warps=nw,
             TP=_next_pow2(L * KP) if 0 < L * KP <= TREE_PRELOAD_MAX else 0,
-            SPINE_FIRST=order is not None,
+            SPINE_FIRST=order is not None, W0=W0, NPH=(NP // W0).bit_length() - 1,
         )
     return DraftTree(tokens, parents, depths, scores, mask, exact, lse, top_lp[..., :K],
                      top_id[..., :K])

@@ -119,7 +119,8 @@ def build_tree_variants():
             active_ptr="keep" if active else None, mask_ptr="keep" if mask else None,
             ord_ptr="keep" if sf else None, KP=16,
             NP=np_, NWP=nwp, RB=max(1, min(1 << n.bit_length(), 1024 // nwp)), HAS_ACTIVE=active,
-            WRITE_MASK=mask, TP=256, SPINE_FIRST=sf), dict(num_warps=1)
+            WRITE_MASK=mask, TP=256, SPINE_FIRST=sf, W0=min(np_, BT.FRONTIER_START),
+            NPH=(np_ // min(np_, BT.FRONTIER_START)).bit_length() - 1), dict(num_warps=1)
 
 
 def variants():

@@ -262,6 +262,30 @@ def test_spine_first_worked_example():
     assert t.tokens[1].tolist() == [P] * 10 and t.parents[1].tolist() == [0] * 10
 
 
+@pytest.mark.parametrize("start", [32, 64])
+@pytest.mark.parametrize(
+    "B,L,V,n,k,kind,spine_first",
+    [
+        (2, 8, 120, 130, 8, "peaked", True),  # NP 256: the frontier at 32 or 64 slots, doubling
+        (2, 6, 40, 70, None, "ties", False),  # ties across the widening
+        (3, 6, 100, 2, 4, "normal", True),  # budget < the first width: one phase does everything
+    ],
+)
+def test_frontier_start_matches_reference(B, L, V, n, k, kind, spine_first, start):
+    """The pops starting on a narrow frontier that doubles as the nodes need (frontier_start <
+    the budget's width) build the same trees bit for bit, with inactive rows and ancestor rows."""
+    g = torch.Generator().manual_seed(B * 1000 + L * 100 + V + n)
+    if kind == "ties":
+        x = torch.randint(-2, 3, (B, L, V), generator=g).float()
+    else:
+        x = 2.0 * torch.randn(B, L, V, generator=g)
+        if kind == "peaked":
+            x[..., :2] += torch.tensor([3.0, 2.5])
+    active = torch.ones(B, dtype=torch.bool)
+    active[-1] = False
+    _both(x, n, k, active=active, spine_first=spine_first, frontier_start=start)
+
+
 def test_neg_inf_nan_and_pos_inf_policy():
     """-inf entries are never drafted; NaN and +inf count as -inf; an all -inf row ends the
     branch (nothing deeper), an all -inf first row gives an all-padding tree."""
@@ -416,6 +440,7 @@ def test_tree_feeds_tree_verify():
         (lambda: build_tree(torch.zeros(1, 2, 8), 4, active=torch.ones(2, dtype=torch.bool)), "active"),
         (lambda: build_tree(torch.zeros(1, 2, 8), 4, chunk=24), "chunk"),
         (lambda: build_tree(torch.zeros(1, 2, 8), 4, chunk_warps=3), "chunk_warps"),
+        (lambda: build_tree(torch.zeros(1, 2, 8), 4, frontier_start=48), "frontier_start"),
         (lambda: build_tree_ref(torch.zeros(1, 2, 8), 4, lse=torch.zeros(2)), "lse"),
     ],
 )
