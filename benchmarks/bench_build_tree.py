@@ -207,15 +207,17 @@ def bench(B, budgets, L, V, dev, l2, bw, read_bw, knobs, seed):
     """One table block; knobs["seg"] = (tile, maxnreg, programs per SM) overrides the
     segment kernel's module constants for this block (an experiment, not an argument)."""
     seg = knobs.get("seg")
-    saved = (BT.SEG_TILE, BT.SEG_MAXNREG, BT.SEG_CTAS_PER_SM, BT.TREE_PRELOAD_MAX)
+    saved = (BT.SEG_TILE, BT.SEG_MAXNREG, BT.SEG_CTAS_PER_SM, BT.TREE_PRELOAD_MAX, BT.SEG_STAGES)
     if seg:
         BT.SEG_TILE, BT.SEG_MAXNREG, BT.SEG_CTAS_PER_SM = seg
     if "preload" in knobs:  # the tree kernel's table preload bound (0: off)
         BT.TREE_PRELOAD_MAX = knobs["preload"]
+    if "seg_stages" in knobs:  # stage 1 streamed through Triton's pipeliner (0: off)
+        BT.SEG_STAGES = knobs["seg_stages"]
     try:
         return _bench(B, budgets, L, V, dev, l2, bw, read_bw, knobs, seed)
     finally:
-        BT.SEG_TILE, BT.SEG_MAXNREG, BT.SEG_CTAS_PER_SM, BT.TREE_PRELOAD_MAX = saved
+        BT.SEG_TILE, BT.SEG_MAXNREG, BT.SEG_CTAS_PER_SM, BT.TREE_PRELOAD_MAX, BT.SEG_STAGES = saved
 
 
 def _bench(B, budgets, L, V, dev, l2, bw, read_bw, knobs, seed):
@@ -376,6 +378,9 @@ def main():
     ap.add_argument("--tree-ab", action="store_true",
                     help="also time the tree stage alone per knob: the pops' first frontier width, "
                          "ancestor rows, node order (2026-12-03)")
+    ap.add_argument("--stages", action="store_true",
+                    help="the sweep is stage 1 streamed through Triton's pipeliner (2-4 tiles in "
+                         "flight through shared memory) at budget 64 (2026-12-03)")
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--time-budget", type=float, default=150.0,
                     help="seconds after which the remaining sweep entries are skipped")
@@ -434,6 +439,23 @@ def main():
                      # B = 8 (issue 12's unmet row): more, shorter segments per row than the
                      # default 4 x 10 tiles (chunk = vocab entries per segment)
                      + [(8, [16, 64], dict(chunk=c)) for c in (8192, 16384, 32768)])
+        if args.stages:  # stage 1 through Triton's pipeliner, 2-4 tiles in flight (2026-12-03)
+            sweep = [(b, [64], dict(seg_stages=st)) for b in batch for st in (2, 3, 4)]
+            results["stages_equal"] = []
+            for b_ in (1, 8, 64):  # the pipelined stream gives the same first stage bit for bit
+                x = drafter_logits(b_, L, V, dev, 3)
+                ref = draft_topk(x, 8)
+                for st in (2, 3, 4):
+                    BT.SEG_STAGES = st
+                    try:
+                        got = draft_topk(x, 8)
+                    finally:
+                        BT.SEG_STAGES = 0
+                    same = all(torch.equal(a_, b2) for a_, b2 in zip(got, ref))
+                    results["stages_equal"].append(dict(B=b_, stages=st, equal=same))
+                    log(f"[stages] B={b_} stages={st}: first stage equal to the default: {same}")
+                    ok = ok and same
+                del x
         if args.ab:  # the tree kernel without the table preload (the design before 2026-12-02)
             sweep = [(b, budgets, dict(preload=0)) for b in batch]
         if smoke:

@@ -302,6 +302,23 @@ def _stream(row_ptr, seg_start, seg_end, OFF, G, r, s, T: tl.constexpr, SANITIZE
 
 
 @triton.jit
+def _stream_pipe(row_ptr, seg_start, seg_end, OFF, G, r, s, T: tl.constexpr, SANITIZE: tl.constexpr,
+                 STAGES: tl.constexpr):
+    """``_stream`` with the full tiles' loads left to Triton's software pipeliner (``STAGES``
+    tiles in flight through shared memory) instead of the one-tile register prefetch: the fast
+    pass's stream (SEG_STAGES; the sanitised redo keeps ``_stream``)."""
+    nfull = (seg_end - seg_start) // T
+    for i in tl.range(0, nfull, num_stages=STAGES):
+        x = tl.load(row_ptr + seg_start + i * T + OFF)
+        G, r, s = _tile_update(x.to(tl.float32), G, r, s, SANITIZE)
+    pos = seg_start + nfull * T
+    if pos < seg_end:
+        x = tl.load(row_ptr + pos + OFF, mask=pos + OFF < seg_end, other=float("-inf"))
+        G, r, s = _tile_update(x.to(tl.float32), G, r, s, SANITIZE)
+    return G, r, s
+
+
+@triton.jit
 def _positions3(f):
     """Exclusive running count of the int32 flags f [A, B, C] in (a, b, c) order, at the flagged
     entries (scans along each axis, no reshape: the last axis stays in-thread)."""
@@ -358,6 +375,7 @@ def _seg_kernel(
     CS: tl.constexpr,
     NSEGP: tl.constexpr,
     HAS_ACTIVE: tl.constexpr,
+    STAGES: tl.constexpr = 0,  # > 0: the pipelined stream (_stream_pipe), STAGES tiles in flight
 ):
     pid = tl.program_id(0)
     row = pid // NSEG
@@ -382,7 +400,10 @@ def _seg_kernel(
         s = tl.zeros([NTHR], dtype=tl.float32)
         # fast pass without sanitising; NaN or +inf anywhere makes a lane's sum NaN (or the
         # max +inf): then redo the segment sanitised
-        G1, r1, s1 = _stream(row_ptr, seg_start, seg_end, OFF, G, r, s, T, False)
+        if STAGES > 0:
+            G1, r1, s1 = _stream_pipe(row_ptr, seg_start, seg_end, OFF, G, r, s, T, False, STAGES)
+        else:
+            G1, r1, s1 = _stream(row_ptr, seg_start, seg_end, OFF, G, r, s, T, False)
         m = tl.max(r1, axis=0)
         # lanes without a finite entry add their sum (0, or NaN): the total is NaN iff a lane's is
         ssum = tl.sum(tl.where(r1 > float("-inf"), s1 * tl.exp2((r1 - m) * LOG2E), s1), axis=0)
@@ -675,6 +696,12 @@ def _next_pow2(x: int) -> int:
 # to run 9a), and starting at 32 was no faster anywhere (run 9, docs/tree-builder.md).
 FRONTIER_START = 64
 SMALL_KP = 32  # K + 1 <= SMALL_KP: the one-pass segment kernel; larger K: chunk + merge kernels
+# Stage 1's full tiles go through Triton's software pipeliner (cp.async into shared memory), this
+# many tiles in flight per program, instead of the one-tile register prefetch (0). H200, 2026-12-03
+# (run 10): stage 1 at budget 64, default -> 2 / 3 / 4 stages: B = 256 459.9 -> 503.8 / 428.4 /
+# 407.9 us, B = 64 126.7 -> 137.3 / 123.0 / 123.3, B = 8 28.7 -> 30.8 / 28.3 / 29.0, B = 1 13.8 ->
+# 14.7 / 13.5 / 13.5; the same first stage bit for bit.
+SEG_STAGES = 4
 SEG_TILE = 4096  # vocab entries per thread block per step of _seg_kernel
 SEG_CTAS_PER_SM = 4  # _seg_kernel programs resident per SM (4 warps, <= 128 registers)
 SEG_MAXNREG = 128  # register cap: the streaming loop fits; the rare paths may spill
@@ -791,6 +818,7 @@ def _topk_segments(x, K, KP, active, chunk, chunk_warps):
         U=U, NTHR=NTHR, VEC=VEC, NTP=_next_pow2(triton.cdiv(min(SEG, V), T)), KP=KP, CS=CS,
         NSEGP=_next_pow2(NSEG), HAS_ACTIVE=active is not None, num_warps=nw,
         maxnreg=SEG_MAXNREG,  # the streaming loop needs < 128; the rare paths may spill
+        STAGES=SEG_STAGES,
     )
     return lse, top_lp, top_id
 
