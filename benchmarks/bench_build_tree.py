@@ -267,6 +267,12 @@ def _bench(B, budgets, L, V, dev, l2, bw, read_bw, knobs, seed):
     return rows
 
 
+def _same_tree(a, b):
+    """Every field of two DraftTrees equal (a field may be None in both)."""
+    return all((getattr(a, f) is None and getattr(b, f) is None) or torch.equal(getattr(a, f), getattr(b, f))
+               for f in a._fields)
+
+
 def tree_ab(B, budgets, L, V, dev, seed, reps=200):
     """The tree stage alone (``tree_stage``, one ``_tree_kernel`` launch) on one set of stage-1
     tables, per knob variant: the pops' first frontier width (``frontier_start``; NP = one width
@@ -291,12 +297,10 @@ def tree_ab(B, budgets, L, V, dev, seed, reps=200):
                 base[key] = t
                 if B <= 8:  # the first variant against the reference (the others against it below)
                     r = build_tree_ref(x, n, k, lse=t.lse, spine_first=sf, ancestor_mask=am)
-                    if not all((getattr(t, f) is None and getattr(r, f) is None)
-                               or torch.equal(getattr(t, f), getattr(r, f)) for f in t._fields):
+                    if not _same_tree(t, r):
                         log(f"[tree-ab] B={B} n={n} sf={sf} am={am}: the kernel != build_tree_ref")
                         base[key] = r  # every variant is then compared with the reference
-            same = all((getattr(t, f) is None and getattr(base[key], f) is None)
-                       or torch.equal(getattr(t, f), getattr(base[key], f)) for f in t._fields)
+            same = _same_tree(t, base[key])
             us = graph_time([call] * 8, reps) if dev.type == "cuda" else wall_time([call], 2)
             row = dict(B=B, n=n, K=k, spine_first=sf, ancestor_mask=am, frontier_start=w0, tree_us=us,
                        equal=same, max_depth=int(t.depths.max()))
@@ -314,7 +318,7 @@ def anatomy(B, L, V, dev, l2, bw):
 
     @triton.jit
     def _stream_only(x_ptr, m_ptr, s_ptr, L, V, stride_b, stride_l, NSEG, SEG,
-                     U: tl.constexpr, NTHR: tl.constexpr, VEC: tl.constexpr):
+                     U: tl.constexpr, NTHR: tl.constexpr, VEC: tl.constexpr, STAGES: tl.constexpr):
         pid = tl.program_id(0)
         row = pid // NSEG
         sg = pid - row * NSEG
@@ -328,7 +332,7 @@ def anatomy(B, L, V, dev, l2, bw):
         G = tl.full([U, NTHR, VEC], float("-inf"), tl.float32)
         r = tl.full([NTHR], float("-inf"), tl.float32)
         s = tl.zeros([NTHR], dtype=tl.float32)
-        G, r, s = BT._stream(row_ptr, seg_start, seg_end, OFF, G, r, s, U * NTHR * VEC, False)
+        G, r, s = BT._stream(row_ptr, seg_start, seg_end, OFF, G, r, s, U * NTHR * VEC, False, STAGES)
         tl.store(m_ptr + pid, tl.max(tl.max(tl.max(G, axis=2), axis=0), axis=0))
         tl.store(s_ptr + pid, tl.sum(s, axis=0) + tl.max(r, axis=0))
 
@@ -345,7 +349,8 @@ def anatomy(B, L, V, dev, l2, bw):
 
     def so(x):
         _stream_only[(rows * NSEG,)](x, m, sm, L, V, x.stride(0), x.stride(1), NSEG, SEG,
-                                     U=U, NTHR=NTHR, VEC=VEC, num_warps=4, maxnreg=BT.SEG_MAXNREG)
+                                     U=U, NTHR=NTHR, VEC=VEC, STAGES=BT.SEG_STAGES, num_warps=4,
+                                     maxnreg=BT.SEG_MAXNREG)
 
     floor = B * L * V * 2 / bw * 1e6
     reps = reps_for(floor * 2 + 10)
@@ -379,8 +384,8 @@ def main():
                     help="also time the tree stage alone per knob: the pops' first frontier width, "
                          "ancestor rows, node order (2026-12-03)")
     ap.add_argument("--stages", action="store_true",
-                    help="the sweep is stage 1 streamed through Triton's pipeliner (2-4 tiles in "
-                         "flight through shared memory) at budget 64 (2026-12-03)")
+                    help="the sweep is stage 1's stream: the register prefetch (0) and Triton's "
+                         "pipeliner with 2-4 tiles in flight, at budget 64 (2026-12-03)")
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--time-budget", type=float, default=150.0,
                     help="seconds after which the remaining sweep entries are skipped")
@@ -440,20 +445,26 @@ def main():
                      # default 4 x 10 tiles (chunk = vocab entries per segment)
                      + [(8, [16, 64], dict(chunk=c)) for c in (8192, 16384, 32768)])
         if args.stages:  # stage 1 through Triton's pipeliner, 2-4 tiles in flight (2026-12-03)
-            sweep = [(b, [64], dict(seg_stages=st)) for b in batch for st in (2, 3, 4)]
+            # (0 = the register prefetch, the stream before 2026-12-03)
+            sweep = [(b, [64], dict(seg_stages=st)) for b in batch for st in (0, 2, 3, 4)]
             results["stages_equal"] = []
+            default_stages = BT.SEG_STAGES
             for b_ in (1, 8, 64):  # the pipelined stream gives the same first stage bit for bit
                 x = drafter_logits(b_, L, V, dev, 3)
-                ref = draft_topk(x, 8)
+                try:
+                    BT.SEG_STAGES = 0
+                    ref = draft_topk(x, 8)
+                finally:
+                    BT.SEG_STAGES = default_stages
                 for st in (2, 3, 4):
                     BT.SEG_STAGES = st
                     try:
                         got = draft_topk(x, 8)
                     finally:
-                        BT.SEG_STAGES = 0
+                        BT.SEG_STAGES = default_stages
                     same = all(torch.equal(a_, b2) for a_, b2 in zip(got, ref))
                     results["stages_equal"].append(dict(B=b_, stages=st, equal=same))
-                    log(f"[stages] B={b_} stages={st}: first stage equal to the default: {same}")
+                    log(f"[stages] B={b_} stages={st}: first stage equal to the register prefetch's: {same}")
                     ok = ok and same
                 del x
         if args.ab:  # the tree kernel without the table preload (the design before 2026-12-02)

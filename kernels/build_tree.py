@@ -284,34 +284,26 @@ def _tile_update(x, G, r, s, SANITIZE: tl.constexpr):
 
 
 @triton.jit
-def _stream(row_ptr, seg_start, seg_end, OFF, G, r, s, T: tl.constexpr, SANITIZE: tl.constexpr):
-    """Read the segment [seg_start, seg_end) once: full tiles unmasked (the next one in flight
-    while the current one is reduced), then the partial tail tile masked."""
+def _stream(row_ptr, seg_start, seg_end, OFF, G, r, s, T: tl.constexpr, SANITIZE: tl.constexpr,
+            STAGES: tl.constexpr):
+    """Read the segment [seg_start, seg_end) once: full tiles unmasked, then the partial tail
+    tile masked. STAGES > 0: the full tiles' loads are left to Triton's software pipeliner
+    (STAGES tiles in flight through shared memory); 0: the next tile is prefetched into
+    registers while the current one is reduced."""
     nfull = (seg_end - seg_start) // T
-    xn = tl.load(row_ptr + seg_start + OFF, mask=nfull > 0)
-    pos = seg_start
-    for i in range(0, nfull):
-        x = xn
-        xn = tl.load(row_ptr + (pos + T) + OFF, mask=i + 1 < nfull)
-        G, r, s = _tile_update(x.to(tl.float32), G, r, s, SANITIZE)
-        pos += T
-    if pos < seg_end:
-        x = tl.load(row_ptr + pos + OFF, mask=pos + OFF < seg_end, other=float("-inf"))
-        G, r, s = _tile_update(x.to(tl.float32), G, r, s, SANITIZE)
-    return G, r, s
-
-
-@triton.jit
-def _stream_pipe(row_ptr, seg_start, seg_end, OFF, G, r, s, T: tl.constexpr, SANITIZE: tl.constexpr,
-                 STAGES: tl.constexpr):
-    """``_stream`` with the full tiles' loads left to Triton's software pipeliner (``STAGES``
-    tiles in flight through shared memory) instead of the one-tile register prefetch: the fast
-    pass's stream (SEG_STAGES; the sanitised redo keeps ``_stream``)."""
-    nfull = (seg_end - seg_start) // T
-    for i in tl.range(0, nfull, num_stages=STAGES):
-        x = tl.load(row_ptr + seg_start + i * T + OFF)
-        G, r, s = _tile_update(x.to(tl.float32), G, r, s, SANITIZE)
-    pos = seg_start + nfull * T
+    if STAGES > 0:
+        for i in tl.range(0, nfull, num_stages=STAGES):
+            x = tl.load(row_ptr + seg_start + i * T + OFF)
+            G, r, s = _tile_update(x.to(tl.float32), G, r, s, SANITIZE)
+        pos = seg_start + nfull * T
+    else:
+        xn = tl.load(row_ptr + seg_start + OFF, mask=nfull > 0)
+        pos = seg_start
+        for i in range(0, nfull):
+            x = xn
+            xn = tl.load(row_ptr + (pos + T) + OFF, mask=i + 1 < nfull)
+            G, r, s = _tile_update(x.to(tl.float32), G, r, s, SANITIZE)
+            pos += T
     if pos < seg_end:
         x = tl.load(row_ptr + pos + OFF, mask=pos + OFF < seg_end, other=float("-inf"))
         G, r, s = _tile_update(x.to(tl.float32), G, r, s, SANITIZE)
@@ -375,7 +367,7 @@ def _seg_kernel(
     CS: tl.constexpr,
     NSEGP: tl.constexpr,
     HAS_ACTIVE: tl.constexpr,
-    STAGES: tl.constexpr = 0,  # > 0: the pipelined stream (_stream_pipe), STAGES tiles in flight
+    STAGES: tl.constexpr = 0,  # the fast pass's stream: > 0 pipelined, STAGES tiles in flight (_stream)
 ):
     pid = tl.program_id(0)
     row = pid // NSEG
@@ -400,15 +392,13 @@ def _seg_kernel(
         s = tl.zeros([NTHR], dtype=tl.float32)
         # fast pass without sanitising; NaN or +inf anywhere makes a lane's sum NaN (or the
         # max +inf): then redo the segment sanitised
-        if STAGES > 0:
-            G1, r1, s1 = _stream_pipe(row_ptr, seg_start, seg_end, OFF, G, r, s, T, False, STAGES)
-        else:
-            G1, r1, s1 = _stream(row_ptr, seg_start, seg_end, OFF, G, r, s, T, False)
+        G1, r1, s1 = _stream(row_ptr, seg_start, seg_end, OFF, G, r, s, T, False, STAGES)
         m = tl.max(r1, axis=0)
         # lanes without a finite entry add their sum (0, or NaN): the total is NaN iff a lane's is
         ssum = tl.sum(tl.where(r1 > float("-inf"), s1 * tl.exp2((r1 - m) * LOG2E), s1), axis=0)
         if (ssum != ssum) | (m != m) | (m == float("inf")):
-            G1, r1, s1 = _stream(row_ptr, seg_start, seg_end, OFF, G, r, s, T, True)
+            # (the rare redo keeps the register prefetch: the form checked on the GPU with NaN rows)
+            G1, r1, s1 = _stream(row_ptr, seg_start, seg_end, OFF, G, r, s, T, True, 0)
             m = tl.max(r1, axis=0)
             ssum = tl.sum(tl.where(r1 > float("-inf"), s1 * tl.exp2((r1 - m) * LOG2E), 0.0),
                           axis=0)
