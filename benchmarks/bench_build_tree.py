@@ -273,14 +273,12 @@ def _same_tree(a, b):
                for f in a._fields)
 
 
-def tree_ab(B, budgets, L, V, dev, seed, reps=200, pops=False):
+def tree_ab(B, budgets, L, V, dev, seed, reps=200):
     """The tree stage alone (``tree_stage``, one ``_tree_kernel`` launch) on one set of stage-1
     tables, per knob variant: the pops' first frontier width (``frontier_start``; NP = one width
-    throughout), the ancestor rows on / off, the node order; with ``pops``, instead the pop loop's
-    forms in the runtime's call: the sibling update (``TREE_SIB``) and the frontier shrinking at
-    the end or not (``TREE_SHRINK_TO``), then pop order with the rows. Each variant's output must
-    equal the first variant's of its (order, rows), which is checked against ``build_tree_ref`` at
-    B <= 8. µs per launch, 8 launches per CUDA graph (the tables stay in L2, as after stage 1)."""
+    throughout), the ancestor rows on / off, the node order. Each variant's output must equal the
+    first variant's of its (order, rows), which is checked against ``build_tree_ref`` at B <= 8.
+    µs per launch, 8 launches per CUDA graph (the tables stay in L2, as after stage 1)."""
     x = drafter_logits(B, L, V, dev, seed)
     out = []
     for n in budgets:
@@ -288,41 +286,24 @@ def tree_ab(B, budgets, L, V, dev, seed, reps=200, pops=False):
         lse, lp, ids = draft_topk(x, k)
         base = {}
         NP = max(32, BT._next_pow2(n))
-        w_def = min(NP, BT.FRONTIER_START)
-        if pops:
-            variants = ([dict(sf=True, am=False, w0=w_def, sib=sib, shrink=sh)
-                         for sh in (BT.TREE_SHRINK_TO, 0) for sib in (BT.TREE_SIB, 0, 1, 2)]
-                        + [dict(sf=False, am=True, w0=w_def, sib=BT.TREE_SIB, shrink=BT.TREE_SHRINK_TO)])
-            seen = set()
-            variants = [v for v in variants if tuple(v.values()) not in seen and not seen.add(tuple(v.values()))]
-        else:
-            starts = [NP] + [w for w in (128, 64, 32) if w < NP]  # NP: one width throughout
-            variants = ([dict(sf=True, am=False, w0=w) for w in starts]
-                        + [dict(sf=True, am=True, w0=w) for w in starts]
-                        + [dict(sf=False, am=True, w0=NP), dict(sf=False, am=True, w0=w_def)])
-        for v in variants:
-            def call(v=v):
-                saved = BT.TREE_SIB, BT.TREE_SHRINK_TO
-                BT.TREE_SIB, BT.TREE_SHRINK_TO = v.get("sib", saved[0]), v.get("shrink", saved[1])
-                try:
-                    return BT.tree_stage(lse, lp, ids, n, k, ancestor_mask=v["am"], spine_first=v["sf"],
-                                         frontier_start=v["w0"])
-                finally:
-                    BT.TREE_SIB, BT.TREE_SHRINK_TO = saved
+        starts = [NP] + [w for w in (128, 64, 32) if w < NP]  # NP: one width throughout
+        for sf, am, w0 in ([(True, False, w) for w in starts] + [(True, True, w) for w in starts]
+                           + [(False, True, NP), (False, True, min(NP, BT.FRONTIER_START))]):
+            def call(sf=sf, am=am, w0=w0):
+                return BT.tree_stage(lse, lp, ids, n, k, ancestor_mask=am, spine_first=sf, frontier_start=w0)
             t = call()
-            key = (v["sf"], v["am"])
+            key = (sf, am)
             if key not in base:
                 base[key] = t
                 if B <= 8:  # the first variant against the reference (the others against it below)
-                    r = build_tree_ref(x, n, k, lse=t.lse, spine_first=v["sf"], ancestor_mask=v["am"])
+                    r = build_tree_ref(x, n, k, lse=t.lse, spine_first=sf, ancestor_mask=am)
                     if not _same_tree(t, r):
-                        log(f"[tree-ab] B={B} n={n} {v}: the kernel != build_tree_ref")
+                        log(f"[tree-ab] B={B} n={n} sf={sf} am={am}: the kernel != build_tree_ref")
                         base[key] = r  # every variant is then compared with the reference
             same = _same_tree(t, base[key])
             us = graph_time([call] * 8, reps) if dev.type == "cuda" else wall_time([call], 2)
-            row = dict(B=B, n=n, K=k, spine_first=v["sf"], ancestor_mask=v["am"], frontier_start=v["w0"],
-                       **{a: v[a] for a in ("sib", "shrink") if a in v}, tree_us=us, equal=same,
-                       max_depth=int(t.depths.max()))
+            row = dict(B=B, n=n, K=k, spine_first=sf, ancestor_mask=am, frontier_start=w0, tree_us=us,
+                       equal=same, max_depth=int(t.depths.max()))
             out.append(row)
             log(f"[tree-ab] {json.dumps({a: (round(b, 2) if isinstance(b, float) else b) for a, b in row.items()})}")
     return out
@@ -402,9 +383,6 @@ def main():
     ap.add_argument("--tree-ab", action="store_true",
                     help="also time the tree stage alone per knob: the pops' first frontier width, "
                          "ancestor rows, node order (2026-12-03)")
-    ap.add_argument("--pop-ab", action="store_true",
-                    help="also time the tree stage alone per form of the pop loop: the sibling update "
-                         "(TREE_SIB 0/1/2) and the frontier shrinking at the end or not (2026-12-03)")
     ap.add_argument("--seg-ab", action="store_true",
                     help="the sweep is stage 1 with more segments per row at B = 64 and 256 "
                          "(chunk 65,536 and 32,768 vocab entries; 2026-12-03)")
@@ -509,12 +487,12 @@ def main():
                 results["sweep"].append(dict(B=B, knobs=knobs, error=traceback.format_exc()[-2000:]))
                 log(results["sweep"][-1]["error"])
                 ok = False
-    if args.tree_ab or args.pop_ab:
+    if args.tree_ab:
         results["tree_ab"] = []
         for B in batch:
             try:
                 results["tree_ab"] += tree_ab(B, sorted(set(budgets) | ({63} if not smoke else set())),
-                                              L, V, dev, 11, pops=args.pop_ab)
+                                              L, V, dev, 11)
             except Exception:  # noqa: BLE001
                 results["tree_ab"].append(dict(B=B, error=traceback.format_exc()[-2000:]))
                 log(results["tree_ab"][-1]["error"])
@@ -568,14 +546,14 @@ def print_table(res):
             f"{_f(r['mean_depth'], 5, 1)} | {r['knobs'] or ''}")
     if res.get("tree_ab"):
         log("tree stage alone (one launch on stage 1's tables), µs: sf = spine-first, rows = ancestor "
-            "rows, w0 = first frontier width, sib = TREE_SIB, shrink = TREE_SHRINK_TO")
-        log(f"{'B':>4} {'n':>4} | {'sf':>2} {'rows':>4} {'w0':>4} {'sib':>3} {'shrink':>6} | {'tree':>7} | equal")
+            "rows, w0 = first frontier width")
+        log(f"{'B':>4} {'n':>4} | {'sf':>2} {'rows':>4} {'w0':>4} | {'tree':>7} | equal")
         for r in res["tree_ab"]:
             if "error" in r:
                 log(f"{r['B']:>4} ERROR")
                 continue
             log(f"{r['B']:>4} {r['n']:>4} | {int(r['spine_first']):>2} {int(r['ancestor_mask']):>4} "
-                f"{r['frontier_start']:>4} {str(r.get('sib', '-')):>3} {str(r.get('shrink', '-')):>6} | "
+                f"{r['frontier_start']:>4} | "
                 f"{_f(r['tree_us'], 7)} | {r['equal']}")
     log("=" * 136)
 

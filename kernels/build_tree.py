@@ -487,7 +487,7 @@ def _seg_kernel(
 
 @triton.jit
 def _pops(HI, LO, PS, SL, count, maxd, last, go, lim, budget, K, L, lp_b, id_b, tok_b, par_b, dep_b,
-          score_b, KP: tl.constexpr, SIB: tl.constexpr):
+          score_b, KP: tl.constexpr):
     """Best-first pops until ``count == lim`` (or the frontier is spent). The frontier vectors
     (HI, LO, PS) hold one entry per emitted node, SL its slot id (the node index); ``lim`` is
     below their width, so the new node's slot j = count + 1 is always held."""
@@ -507,20 +507,9 @@ def _pops(HI, LO, PS, SL, count, maxd, last, go, lim, budget, K, L, lp_b, id_b, 
         lp_ch = tl.load(lp_b + trow + KP, mask=has_child, other=float("-inf"))
         tok = tl.load(id_b + trow + r, mask=ok, other=-1)
         # slot p: the popped node's next sibling (σ(p) + lp, fp32), rank + 1; without one
-        # lp_sib = -inf, so σ = -inf: never popped, like an empty slot. σ(p) comes out of PS as a
-        # scalar (one int max over its bits; the other entries give SENT32, the bits of -0.0, the
-        # smallest int32, so the max is exactly slot p's bits), and the sum and its ordinal are
-        # computed once instead of in every entry.
-        atp = SL == p
-        if SIB == 0:  # (the form before 2026-12-03 evening: the sum and ordinal in every entry)
-            HI = tl.where(atp, _ord0(PS + lp_sib), HI)
-        else:
-            if SIB == 1:
-                sp = tl.max(tl.where(atp, PS.to(tl.int32, bitcast=True), SENT32), axis=0)
-            else:
-                sp = tl.sum(tl.where(atp, PS.to(tl.int32, bitcast=True), 0), axis=0)
-            HI = tl.where(atp, _ord0(sp.to(tl.float32, bitcast=True) + lp_sib), HI)
-        LO = tl.where(atp, lo - 2048, LO)
+        # lp_sib = -inf, so σ = -inf: never popped, like an empty slot
+        HI = tl.where(SL == p, _ord0(PS + lp_sib), HI)
+        LO = tl.where(SL == p, lo - 2048, LO)
         # slot j: the new node's first child
         HI = tl.where(SL == j, tl.where(has_child, _ord0(sig + lp_ch), SENT32), HI)
         LO = tl.where(SL == j, ((62 - d) << 21) + (1023 << 11) + (2047 - j), LO)
@@ -542,25 +531,6 @@ def _widen(x, y):
     """[W], [W] -> [2W]: x's entries and y's, interleaved (the order of the frontier's entries
     does not matter: SL carries each entry's slot id)."""
     return tl.reshape(tl.join(x, y), [2 * x.shape[0]])
-
-
-@triton.jit
-def _shrink(HI, LO, PS, SL, count, score_b):
-    """[W] -> [W/2] frontier, when at most W/4 pops are left: the best W/4 entries by the pop key
-    (only those can still be popped: an entry pops after every better one) and W/4 empty slots
-    for the nodes count + 1 .. count + W/4. An entry's slot is its parent, which LO holds, and the
-    parent's σ is reloaded from the scores stored so far (pop order)."""
-    R: tl.constexpr = HI.shape[0] // 4
-    top = tl.topk((HI.to(tl.int64) << 32) | LO.to(tl.int64), R)  # LO >= 0
-    thi = (top >> 32).to(tl.int32)
-    tlo = (top & 0xFFFFFFFF).to(tl.int32)
-    tp = 2047 - (tlo & 2047)
-    live = thi != SENT32
-    tl.debug_barrier()  # the pops' score stores are visible to every lane
-    tps = tl.load(score_b + tp - 1, mask=live & (tp > 0), other=0.0)
-    fresh = count + 1 + tl.arange(0, R)
-    return (_widen(thi, thi * 0 + SENT32), _widen(tlo, tlo * 0), _widen(tps, tps * 0.0),
-            _widen(tl.where(live, tp, -1), fresh))
 
 
 @triton.jit
@@ -589,8 +559,6 @@ def _tree_kernel(
     SPINE_FIRST: tl.constexpr,  # reorder the nodes: the spine (rank-0 chain) first, then pop order
     W0: tl.constexpr,  # the first pops' frontier width (a power of two <= NP)
     NPH: tl.constexpr,  # W0 << NPH == NP: the frontier doubles NPH times during the pops
-    NSH: tl.constexpr = 0,  # then halves NSH times as the pops left fall to a quarter of its width
-    SIB: tl.constexpr = 1,  # the sibling's σ: 0 in every entry, 1/2 σ(p) as a scalar (max / sum)
 ):
     b = tl.program_id(0)
     tb = b.to(tl.int64) * L * KP
@@ -635,20 +603,11 @@ def _tree_kernel(
     for ph in tl.static_range(NPH):
         HI, LO, PS, count, maxd, last, go = _pops(HI, LO, PS, SL, count, maxd, last, go,
                                                   tl.minimum(budget, (W0 << ph) - 1), budget, K, L,
-                                                  lp_b, id_b, tok_b, par_b, dep_b, score_b, KP, SIB)
+                                                  lp_b, id_b, tok_b, par_b, dep_b, score_b, KP)
         HI, LO, PS, SL = (_widen(HI, HI * 0 + SENT32), _widen(LO, LO * 0), _widen(PS, PS * 0.0),
                           _widen(SL, SL + (W0 << ph)))
-    # ... and shrinks again at the end: once at most NP/4 pops are left, only the best NP/4
-    # entries can still be popped (then NP/8, ...)
-    HI, LO, PS, count, maxd, last, go = _pops(HI, LO, PS, SL, count, maxd, last, go,
-                                              budget - ((NP >> 2) if NSH > 0 else 0), budget, K, L,
-                                              lp_b, id_b, tok_b, par_b, dep_b, score_b, KP, SIB)
-    for sh in tl.static_range(NSH):
-        HI, LO, PS, SL = _shrink(HI, LO, PS, SL, count, score_b)
-        HI, LO, PS, count, maxd, last, go = _pops(
-            HI, LO, PS, SL, count, maxd, last, go,
-            budget - ((NP >> (sh + 3)) if sh + 1 < NSH else 0), budget, K, L,
-            lp_b, id_b, tok_b, par_b, dep_b, score_b, KP, SIB)
+    HI, LO, PS, count, maxd, last, go = _pops(HI, LO, PS, SL, count, maxd, last, go, budget, budget, K, L,
+                                              lp_b, id_b, tok_b, par_b, dep_b, score_b, KP)
 
     # padding: nodes count+1..budget
     pad = (slot >= count) & (slot < budget)
@@ -726,8 +685,6 @@ def _next_pow2(x: int) -> int:
 # as the nodes need: on an H200 a pop cost ~0.09 / 0.17 / 0.31 us at 64 / 128 / 256 slots (fitted
 # to run 9a), and starting at 32 was no faster anywhere (run 9, docs/tree-builder.md).
 FRONTIER_START = 64
-TREE_SHRINK_TO = 64  # the frontier halves at the end down to this width (0: it never shrinks)
-TREE_SIB = 1  # the pop's sibling update: σ(p) as a scalar (1: int max, 2: int sum), 0: per entry
 SMALL_KP = 32  # K + 1 <= SMALL_KP: the one-pass segment kernel; larger K: chunk + merge kernels
 # Stage 1's full tiles go through Triton's software pipeliner (cp.async into shared memory), this
 # many tiles in flight per program, instead of the one-tile register prefetch (0). H200, 2026-12-03
@@ -956,11 +913,6 @@ def build_tree(
                       frontier_start=frontier_start)
 
 
-def _tree_shrinks(NP: int) -> int:
-    """How often the tree kernel's frontier halves at the end: from NP down to TREE_SHRINK_TO."""
-    return max(0, (NP // TREE_SHRINK_TO).bit_length() - 1) if TREE_SHRINK_TO else 0
-
-
 def _frontier_start(v) -> int:
     w = int(v) if v else FRONTIER_START
     if w < 32 or w & (w - 1):
@@ -999,7 +951,6 @@ def tree_stage(lse, top_lp, top_id, n: int, K: int, *, active=None, ancestor_mas
             WRITE_MASK=ancestor_mask, num_warps=nw,
             TP=_next_pow2(L * KP) if 0 < L * KP <= TREE_PRELOAD_MAX else 0,
             SPINE_FIRST=order is not None, W0=W0, NPH=(NP // W0).bit_length() - 1,
-            NSH=_tree_shrinks(NP), SIB=TREE_SIB,
         )
     return DraftTree(tokens, parents, depths, scores, mask, exact, lse, top_lp[..., :K],
                      top_id[..., :K])

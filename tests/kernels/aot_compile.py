@@ -112,7 +112,7 @@ def build_tree_variants():
     # the runtime's builds: no mask, spine-first (ddtree_patcher.runtime.ddtree.SPINE_FIRST)
     for n, mask, active, sf in ((16, True, False, False), (64, True, True, False), (256, True, False, False),
                                 (256, False, False, False), (64, True, True, True), (63, False, True, True),
-                                (256, False, False, True), (512, False, True, True)):
+                                (256, False, False, True)):
         np_ = max(32, 1 << (n - 1).bit_length())
         nwp = 1 << ((n + 32) // 32 - 1).bit_length()
         yield f"build_tree tree n={n} mask={mask} active={active} spine_first={sf}", BT._tree_kernel, TREE_PTRS, dict(
@@ -120,8 +120,7 @@ def build_tree_variants():
             ord_ptr="keep" if sf else None, KP=16,
             NP=np_, NWP=nwp, RB=max(1, min(1 << n.bit_length(), 1024 // nwp)), HAS_ACTIVE=active,
             WRITE_MASK=mask, TP=256, SPINE_FIRST=sf, W0=min(np_, BT.FRONTIER_START),
-            NPH=(np_ // min(np_, BT.FRONTIER_START)).bit_length() - 1, NSH=BT._tree_shrinks(np_),
-            SIB=BT.TREE_SIB), dict(num_warps=1)
+            NPH=(np_ // min(np_, BT.FRONTIER_START)).bit_length() - 1), dict(num_warps=1)
 
 
 def variants():

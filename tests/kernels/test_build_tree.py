@@ -8,7 +8,6 @@ separately checks that lse against torch.logsumexp. Sizes are small (the interpr
 
 from __future__ import annotations
 
-import importlib
 import math
 
 import pytest
@@ -22,7 +21,6 @@ from ddtree_patcher.kernels import (
     unpack_ancestor_mask,
 )
 
-BT = importlib.import_module("ddtree_patcher.kernels.build_tree")
 P = PLACEHOLDER_TOKEN_ID
 NINF = -math.inf
 
@@ -286,37 +284,6 @@ def test_frontier_start_matches_reference(B, L, V, n, k, kind, spine_first, star
     active = torch.ones(B, dtype=torch.bool)
     active[-1] = False
     _both(x, n, k, active=active, spine_first=spine_first, frontier_start=start)
-
-
-@pytest.mark.parametrize("sib", [0, 1, 2])
-@pytest.mark.parametrize(
-    "B,L,V,n,k,kind,spine_first",
-    [
-        (2, 8, 120, 256, 8, "peaked", True),  # NP 256: 256 -> 128 -> 64 for the last 64 pops
-        (2, 6, 40, 129, None, "ties", False),  # the shrinks right after the last widening
-        (2, 10, 60, 200, 8, "normal", True),  # budget < NP: the shrinks at 136 and 168
-        (2, 5, 3, 100, 3, "normal", False),  # V < K: the tree runs out, dead and empty entries kept
-        (1, 12, 64, 300, 6, "peaked", True),  # NP 512: three shrinks
-    ],
-)
-def test_shrinking_frontier_matches_reference(B, L, V, n, k, kind, spine_first, sib, monkeypatch):
-    """The frontier halves at the end (TREE_SHRINK_TO: the best quarter of the entries and fresh
-    slots, once at most a quarter of its width is left to pop), and each form of the sibling
-    update (TREE_SIB) builds the same trees bit for bit, with inactive rows and ancestor rows."""
-    monkeypatch.setattr(BT, "TREE_SIB", sib)
-    g = torch.Generator().manual_seed(B * 1000 + L * 100 + V + n)
-    if kind == "ties":
-        x = torch.randint(-2, 3, (B, L, V), generator=g).float()
-    else:
-        x = 2.0 * torch.randn(B, L, V, generator=g)
-        if kind == "peaked":
-            x[..., :2] += torch.tensor([3.0, 2.5])
-    active = torch.ones(B, dtype=torch.bool)
-    active[-1] = B == 1
-    t = _both(x, n, k, active=active, spine_first=spine_first)
-    monkeypatch.setattr(BT, "TREE_SHRINK_TO", 0)  # the same tree without the shrinks
-    u = build_tree(x, n, k, active=active, spine_first=spine_first)
-    assert all(torch.equal(a, b) for a, b in zip(t, u) if a is not None)
 
 
 def test_neg_inf_nan_and_pos_inf_policy():
