@@ -162,7 +162,7 @@ def correctness(dev, L, V, results, smoke):
     cfgs = ([(2, 64, None, "drafter", False), (4, 256, None, "drafter", False), (3, 64, 16, "drafter", False),
              (3, 64, None, "special", False), (8, 64, None, "drafter", False),
              (8, 64, None, "drafter", True), (4, 256, None, "drafter", True), (3, 64, None, "special", True),
-             # B = 32: rows in one segment, streamed and selected by two launches (SEG_SPLIT)
+             # B = 32: rows in one segment (one program per row, no merge)
              (32, 256, None, "drafter", True), (32, 64, None, "special", True)]
             if not smoke else [(2, 12, None, "special", False), (2, 12, None, "drafter", True)])
     for i, (B, n, k, kind, sf) in enumerate(cfgs):
@@ -209,19 +209,17 @@ def bench(B, budgets, L, V, dev, l2, bw, read_bw, knobs, seed):
     """One table block; knobs["seg"] = (tile, maxnreg, programs per SM) overrides the
     segment kernel's module constants for this block (an experiment, not an argument)."""
     seg = knobs.get("seg")
-    saved = (BT.SEG_TILE, BT.SEG_MAXNREG, BT.SEG_CTAS_PER_SM, BT.TREE_PRELOAD_MAX, BT.SEG_STAGES, BT.SEG_SPLIT)
+    saved = (BT.SEG_TILE, BT.SEG_MAXNREG, BT.SEG_CTAS_PER_SM, BT.TREE_PRELOAD_MAX, BT.SEG_STAGES)
     if seg:
         BT.SEG_TILE, BT.SEG_MAXNREG, BT.SEG_CTAS_PER_SM = seg
     if "preload" in knobs:  # the tree kernel's table preload bound (0: off)
         BT.TREE_PRELOAD_MAX = knobs["preload"]
     if "seg_stages" in knobs:  # stage 1 streamed through Triton's pipeliner (0: off)
         BT.SEG_STAGES = knobs["seg_stages"]
-    if "seg_split" in knobs:  # rows in one segment: stream and select in two launches (0: one)
-        BT.SEG_SPLIT = knobs["seg_split"]
     try:
         return _bench(B, budgets, L, V, dev, l2, bw, read_bw, knobs, seed)
     finally:
-        BT.SEG_TILE, BT.SEG_MAXNREG, BT.SEG_CTAS_PER_SM, BT.TREE_PRELOAD_MAX, BT.SEG_STAGES, BT.SEG_SPLIT = saved
+        BT.SEG_TILE, BT.SEG_MAXNREG, BT.SEG_CTAS_PER_SM, BT.TREE_PRELOAD_MAX, BT.SEG_STAGES = saved
 
 
 def _bench(B, budgets, L, V, dev, l2, bw, read_bw, knobs, seed):
@@ -254,7 +252,7 @@ def _bench(B, budgets, L, V, dev, l2, bw, read_bw, knobs, seed):
         pop_us = tm([lambda s=s: build(s, False) for s in sets], reps_for(floor * 2 + 30))
         t = build_tree(sets[0], n, knobs.get("topk"))
         row = dict(B=B, n=n, L=L, V=V, K=k,
-                   knobs={a: b for a, b in knobs.items() if b or a in ("preload", "seg_split")},
+                   knobs={a: b for a, b in knobs.items() if b or a == "preload"},
                    sets=R, build_us=us, build_rows_us=rows_us, build_pop_order_us=pop_us, stage1_us=stage1_us,
                    tree_stage_us=us - stage1_us,
                    argmax_us=argmax_us, floor_us=floor, x_floor=us / floor,
@@ -390,10 +388,6 @@ def main():
     ap.add_argument("--seg-ab", action="store_true",
                     help="the sweep is stage 1 with more segments per row at B = 64 and 256 "
                          "(chunk 65,536 and 32,768 vocab entries; 2026-12-03)")
-    ap.add_argument("--split-ab", action="store_true",
-                    help="the sweep is stage 1 in one launch (SEG_SPLIT = 0) at B >= 32, where rows are "
-                         "streamed and selected by two launches by default (2026-12-03); checks both "
-                         "give the same first stage")
     ap.add_argument("--stages", action="store_true",
                     help="the sweep is stage 1's stream: the register prefetch (0) and Triton's "
                          "pipeliner with 2-4 tiles in flight, at budget 64 (2026-12-03)")
@@ -477,24 +471,6 @@ def main():
                     results["stages_equal"].append(dict(B=b_, stages=st, equal=same))
                     log(f"[stages] B={b_} stages={st}: first stage equal to the register prefetch's: {same}")
                     ok = ok and same
-                del x
-        if args.split_ab:  # two launches (stream, then select) against one, where rows are one segment
-            sweep = [(b, budgets, dict(seg_split=0)) for b in batch if b >= 32]
-            results["split_equal"] = []
-            for b_ in [b for b in batch if b >= 32] or [32]:
-                x = drafter_logits(b_, L, V, dev, 5)
-                x[0, 1, 7::1000] = float("nan")  # a row the stream reads again, sanitised
-                got = {}
-                for sp in (0, 1):
-                    saved_split, BT.SEG_SPLIT = BT.SEG_SPLIT, sp
-                    try:
-                        got[sp] = draft_topk(x, 8)
-                    finally:
-                        BT.SEG_SPLIT = saved_split
-                same = all(torch.equal(a_, b2) for a_, b2 in zip(got[0], got[1]))
-                results["split_equal"].append(dict(B=b_, equal=same))
-                log(f"[split] B={b_}: two launches give the first stage of one, bit for bit: {same}")
-                ok = ok and same
                 del x
         if args.seg_ab:  # B >= 32 reads each row in one segment by default: split it (2026-12-03)
             sweep = [(b, [64, 256], dict(chunk=c)) for b in (64, 256) for c in (65536, 32768) if b in batch]

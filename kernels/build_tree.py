@@ -368,8 +368,6 @@ def _seg_kernel(
     NSEGP: tl.constexpr,
     HAS_ACTIVE: tl.constexpr,
     STAGES: tl.constexpr = 0,  # the fast pass's stream: > 0 pipelined, STAGES tiles in flight (_stream)
-    PHASE: tl.constexpr = 0,  # 0: stream and select; NSEG == 1 only: 1 stream (G to g_ptr), 2 select
-    g_ptr=None,  # [B*L, T] float32 scratch (PHASE 1 / 2): the row's slot maxima, max and sum
 ):
     pid = tl.program_id(0)
     row = pid // NSEG
@@ -389,108 +387,97 @@ def _seg_kernel(
         ln = tl.arange(0, NTHR)
         vv = tl.arange(0, VEC)
         OFF = u[:, None, None] * (NTHR * VEC) + ln[None, :, None] * VEC + vv[None, None, :]
-        if PHASE == 2:  # the selection of a row that PHASE 1 streamed: its slot maxima, max, sum
-            G1 = tl.load(g_ptr + pid.to(tl.int64) * T + OFF)
-            r1 = tl.max(tl.max(G1, axis=2), axis=0)  # the lanes' maxima, as the stream's r
-            m = tl.load(part_m_ptr + pid)
-            ssum = tl.load(part_s_ptr + pid)
-        else:
-            G = tl.full([U, NTHR, VEC], float("-inf"), tl.float32)
-            r = tl.full([NTHR], float("-inf"), tl.float32)
-            s = tl.zeros([NTHR], dtype=tl.float32)
-            # fast pass without sanitising; NaN or +inf anywhere makes a lane's sum NaN (or the
-            # max +inf): then redo the segment sanitised
-            G1, r1, s1 = _stream(row_ptr, seg_start, seg_end, OFF, G, r, s, T, False, STAGES)
+        G = tl.full([U, NTHR, VEC], float("-inf"), tl.float32)
+        r = tl.full([NTHR], float("-inf"), tl.float32)
+        s = tl.zeros([NTHR], dtype=tl.float32)
+        # fast pass without sanitising; NaN or +inf anywhere makes a lane's sum NaN (or the
+        # max +inf): then redo the segment sanitised
+        G1, r1, s1 = _stream(row_ptr, seg_start, seg_end, OFF, G, r, s, T, False, STAGES)
+        m = tl.max(r1, axis=0)
+        # lanes without a finite entry add their sum (0, or NaN): the total is NaN iff a lane's is
+        ssum = tl.sum(tl.where(r1 > float("-inf"), s1 * tl.exp2((r1 - m) * LOG2E), s1), axis=0)
+        if (ssum != ssum) | (m != m) | (m == float("inf")):
+            # (the rare redo keeps the register prefetch: the form checked on the GPU with NaN rows)
+            G1, r1, s1 = _stream(row_ptr, seg_start, seg_end, OFF, G, r, s, T, True, 0)
             m = tl.max(r1, axis=0)
-            # lanes without a finite entry add their sum (0, or NaN): the total is NaN iff a lane's is
-            ssum = tl.sum(tl.where(r1 > float("-inf"), s1 * tl.exp2((r1 - m) * LOG2E), s1), axis=0)
-            if (ssum != ssum) | (m != m) | (m == float("inf")):
-                # (the rare redo keeps the register prefetch: the form checked on the GPU with NaN rows)
-                G1, r1, s1 = _stream(row_ptr, seg_start, seg_end, OFF, G, r, s, T, True, 0)
-                m = tl.max(r1, axis=0)
-                ssum = tl.sum(tl.where(r1 > float("-inf"), s1 * tl.exp2((r1 - m) * LOG2E), 0.0),
-                              axis=0)
-        if PHASE == 1:
-            tl.store(g_ptr + pid.to(tl.int64) * T + OFF, G1)
+            ssum = tl.sum(tl.where(r1 > float("-inf"), s1 * tl.exp2((r1 - m) * LOG2E), 0.0),
+                          axis=0)
+        # t = the (K+1)-th largest lane maximum: K+1 distinct entries are >= t, so the
+        # segment's top-(K+1) lie in the slots whose maximum G is >= t.
+        kk = tl.arange(0, KP)
+        t = tl.max(tl.where(kk == K, tl.topk(r1, KP), float("-inf")), axis=0)
+        valid = seg_start + OFF < seg_end
+        # candidate slots: first those with G > t, then those with G == t in slot order; a
+        # batch of the latter whose first slot s has key(t, s) <= the running (K+1)-th key
+        # (and every later one) cannot improve the list: stop there (many ties, -inf rows)
+        fhi = valid & (G1 > t)
+        feq = valid & (G1 == t)
+        n_hi = tl.sum(tl.sum(tl.sum(fhi.to(tl.int32), axis=2), axis=1), axis=0)
+        n_eq = tl.sum(tl.sum(tl.sum(feq.to(tl.int32), axis=2), axis=1), axis=0)
+        spos = tl.where(fhi, _positions3(fhi.to(tl.int32)), n_hi + _positions3(feq.to(tl.int32)))
+        flags = fhi | feq
+        nsl = n_hi + n_eq
+        base = pid.to(tl.int64)
+        kbase = part_key_ptr + base * KP  # staged candidate keys; at the end this segment's list
+        sbase = scr_ptr + base * CS  # staged candidate slots
+        NT = tl.cdiv(seg_end - seg_start, T)
+        ci = tl.arange(0, CS)
+        ii = tl.arange(0, NTP)
+        lst = tl.full([KP], SENT, tl.int64)  # the running top-KP keys, descending
+        sb = nsl * 0
+        go = nsl > 0
+        while go:  # batches of CS candidate slots (one, unless many ties)
+            tl.debug_barrier()  # the previous batch's slots are read
+            tl.store(sbase + spos - sb, OFF, mask=flags & (spos >= sb) & (spos < sb + CS))
+            tl.debug_barrier()
+            inb = ci < nsl - sb
+            sl = tl.load(sbase + ci, mask=inb, other=0)
+            kth = tl.max(tl.where(kk == K, lst, SENT), axis=0)  # the running (K+1)-th key
+            s0 = tl.min(tl.where(inb, sl, 2147483647), axis=0)
+            stop = (sb >= n_hi) & (kth >= _vkey(t, seg_start + s0))
+            if stop == 0:
+                gid = seg_start + ii[None, :] * T + sl[:, None]
+                gm = inb[:, None] & (ii[None, :] < NT) & (gid < seg_end)
+                y = tl.load(row_ptr + gid, mask=gm, other=float("-inf")).to(tl.float32)
+                y = tl.where(y < float("inf"), y, float("-inf"))
+                key = _vkey(y, gid)
+                cand = gm & (y >= t) & (key > kth)
+                epos = _positions2(cand.to(tl.int32))
+                cnt = tl.max(tl.max(tl.where(cand, epos, -1), axis=1), axis=0) + 1
+                for q0 in range(0, cnt, KP):  # batches of KP candidate entries
+                    tl.store(kbase + epos - q0, key, mask=cand & (epos >= q0) & (epos < q0 + KP))
+                    tl.debug_barrier()  # the staged keys are visible to every lane
+                    new = tl.load(kbase + kk, mask=kk < cnt - q0, other=SENT)
+                    lst = tl.topk(tl.reshape(tl.join(lst, new), [2 * KP]), KP)
+                    tl.debug_barrier()  # every lane has read them before the next batch
+            sb += CS
+            go = (sb < nsl) & (stop == 0)
+        if NSEG == 1:
+            lse = tl.where(m > float("-inf"), m + tl.log(ssum), float("-inf"))
+            tl.store(lse_ptr + row, lse)
+            _finish_row(lst, lse, row, top_lp_ptr, top_id_ptr, V, KP)
+        else:
+            tl.store(kbase + kk, lst)
             tl.store(part_m_ptr + pid, m)
             tl.store(part_s_ptr + pid, ssum)
-        else:
-            # t = the (K+1)-th largest lane maximum: K+1 distinct entries are >= t, so the
-            # segment's top-(K+1) lie in the slots whose maximum G is >= t.
-            kk = tl.arange(0, KP)
-            t = tl.max(tl.where(kk == K, tl.topk(r1, KP), float("-inf")), axis=0)
-            valid = seg_start + OFF < seg_end
-            # candidate slots: first those with G > t, then those with G == t in slot order; a
-            # batch of the latter whose first slot s has key(t, s) <= the running (K+1)-th key
-            # (and every later one) cannot improve the list: stop there (many ties, -inf rows)
-            fhi = valid & (G1 > t)
-            feq = valid & (G1 == t)
-            n_hi = tl.sum(tl.sum(tl.sum(fhi.to(tl.int32), axis=2), axis=1), axis=0)
-            n_eq = tl.sum(tl.sum(tl.sum(feq.to(tl.int32), axis=2), axis=1), axis=0)
-            spos = tl.where(fhi, _positions3(fhi.to(tl.int32)), n_hi + _positions3(feq.to(tl.int32)))
-            flags = fhi | feq
-            nsl = n_hi + n_eq
-            base = pid.to(tl.int64)
-            kbase = part_key_ptr + base * KP  # staged candidate keys; at the end this segment's list
-            sbase = scr_ptr + base * CS  # staged candidate slots
-            NT = tl.cdiv(seg_end - seg_start, T)
-            ci = tl.arange(0, CS)
-            ii = tl.arange(0, NTP)
-            lst = tl.full([KP], SENT, tl.int64)  # the running top-KP keys, descending
-            sb = nsl * 0
-            go = nsl > 0
-            while go:  # batches of CS candidate slots (one, unless many ties)
-                tl.debug_barrier()  # the previous batch's slots are read
-                tl.store(sbase + spos - sb, OFF, mask=flags & (spos >= sb) & (spos < sb + CS))
-                tl.debug_barrier()
-                inb = ci < nsl - sb
-                sl = tl.load(sbase + ci, mask=inb, other=0)
-                kth = tl.max(tl.where(kk == K, lst, SENT), axis=0)  # the running (K+1)-th key
-                s0 = tl.min(tl.where(inb, sl, 2147483647), axis=0)
-                stop = (sb >= n_hi) & (kth >= _vkey(t, seg_start + s0))
-                if stop == 0:
-                    gid = seg_start + ii[None, :] * T + sl[:, None]
-                    gm = inb[:, None] & (ii[None, :] < NT) & (gid < seg_end)
-                    y = tl.load(row_ptr + gid, mask=gm, other=float("-inf")).to(tl.float32)
-                    y = tl.where(y < float("inf"), y, float("-inf"))
-                    key = _vkey(y, gid)
-                    cand = gm & (y >= t) & (key > kth)
-                    epos = _positions2(cand.to(tl.int32))
-                    cnt = tl.max(tl.max(tl.where(cand, epos, -1), axis=1), axis=0) + 1
-                    for q0 in range(0, cnt, KP):  # batches of KP candidate entries
-                        tl.store(kbase + epos - q0, key, mask=cand & (epos >= q0) & (epos < q0 + KP))
-                        tl.debug_barrier()  # the staged keys are visible to every lane
-                        new = tl.load(kbase + kk, mask=kk < cnt - q0, other=SENT)
-                        lst = tl.topk(tl.reshape(tl.join(lst, new), [2 * KP]), KP)
-                        tl.debug_barrier()  # every lane has read them before the next batch
-                sb += CS
-                go = (sb < nsl) & (stop == 0)
-            if NSEG == 1:
-                lse = tl.where(m > float("-inf"), m + tl.log(ssum), float("-inf"))
+            tl.debug_barrier()  # this program's partials are written before its ticket
+            prev = tl.atomic_add(ticket_ptr + row, 1, sem="acq_rel")
+            if prev == NSEG - 1:  # the row's last segment merges the row
+                ci2 = tl.arange(0, NSEGP)
+                cm = ci2 < NSEG
+                pb = row.to(tl.int64) * NSEG
+                pm = tl.load(part_m_ptr + pb + ci2, mask=cm, other=float("-inf"), cache_modifier=".cg")
+                ps = tl.load(part_s_ptr + pb + ci2, mask=cm, other=0.0, cache_modifier=".cg")
+                mx = tl.max(pm, axis=0)
+                tot = tl.sum(tl.where(pm > float("-inf"), ps * tl.exp(pm - mx), 0.0), axis=0)
+                lse = tl.where(mx > float("-inf"), mx + tl.log(tot), float("-inf"))
+                keys = tl.load(part_key_ptr + (pb + ci2[:, None]) * KP + kk[None, :],
+                               mask=cm[:, None], other=SENT, cache_modifier=".cg")
+                top = tl.topk(tl.reshape(keys, [NSEGP * KP]), KP)
                 tl.store(lse_ptr + row, lse)
-                _finish_row(lst, lse, row, top_lp_ptr, top_id_ptr, V, KP)
-            else:
-                tl.store(kbase + kk, lst)
-                tl.store(part_m_ptr + pid, m)
-                tl.store(part_s_ptr + pid, ssum)
-                tl.debug_barrier()  # this program's partials are written before its ticket
-                prev = tl.atomic_add(ticket_ptr + row, 1, sem="acq_rel")
-                if prev == NSEG - 1:  # the row's last segment merges the row
-                    ci2 = tl.arange(0, NSEGP)
-                    cm = ci2 < NSEG
-                    pb = row.to(tl.int64) * NSEG
-                    pm = tl.load(part_m_ptr + pb + ci2, mask=cm, other=float("-inf"), cache_modifier=".cg")
-                    ps = tl.load(part_s_ptr + pb + ci2, mask=cm, other=0.0, cache_modifier=".cg")
-                    mx = tl.max(pm, axis=0)
-                    tot = tl.sum(tl.where(pm > float("-inf"), ps * tl.exp(pm - mx), 0.0), axis=0)
-                    lse = tl.where(mx > float("-inf"), mx + tl.log(tot), float("-inf"))
-                    keys = tl.load(part_key_ptr + (pb + ci2[:, None]) * KP + kk[None, :],
-                                   mask=cm[:, None], other=SENT, cache_modifier=".cg")
-                    top = tl.topk(tl.reshape(keys, [NSEGP * KP]), KP)
-                    tl.store(lse_ptr + row, lse)
-                    _finish_row(top, lse, row, top_lp_ptr, top_id_ptr, V, KP)
-                    tl.store(ticket_ptr + row, 0)
-    elif (sg == 0) & (PHASE != 1):  # inactive request: -inf / -1 / lse -inf, no logits read
+                _finish_row(top, lse, row, top_lp_ptr, top_id_ptr, V, KP)
+                tl.store(ticket_ptr + row, 0)
+    elif sg == 0:  # inactive request: -inf / -1 / lse -inf, no logits read
         kk = tl.arange(0, KP)
         ob = row.to(tl.int64) * KP + kk
         tl.store(top_lp_ptr + ob, tl.full([KP], float("-inf"), tl.float32))
@@ -705,10 +692,6 @@ SMALL_KP = 32  # K + 1 <= SMALL_KP: the one-pass segment kernel; larger K: chunk
 # 407.9 us, B = 64 126.7 -> 137.3 / 123.0 / 123.3, B = 8 28.7 -> 30.8 / 28.3 / 29.0, B = 1 13.8 ->
 # 14.7 / 13.5 / 13.5; the same first stage bit for bit.
 SEG_STAGES = 4
-# Rows read in one segment (NSEG == 1: B >= 32 at V = 151,936) are streamed by one launch, which
-# writes each row's slot maxima (16 KB), and their candidates selected by a second one, instead of
-# each program selecting after its own stream (0).
-SEG_SPLIT = 1
 SEG_TILE = 4096  # vocab entries per thread block per step of _seg_kernel
 SEG_CTAS_PER_SM = 4  # _seg_kernel programs resident per SM (4 warps, <= 128 registers)
 SEG_MAXNREG = 128  # register cap: the streaming loop fits; the rare paths may spill
@@ -764,7 +747,7 @@ _SCRATCH: dict = {}  # (device, stream, rows, NSEG, KP, CS) -> _seg_kernel's scr
 _SCRATCH_MAX = 64
 
 
-def _seg_scratch(dev, rows, NSEG, KP, CS, TG=0):
+def _seg_scratch(dev, rows, NSEG, KP, CS):
     """``_seg_kernel``'s scratch (partials, candidate slots, tickets), made once per shape and
     stream and reused: the kernel only reads what it wrote in the same launch, and leaves the
     tickets zero, so consecutive launches on one stream can share it. Saves five allocations and
@@ -776,7 +759,7 @@ def _seg_scratch(dev, rows, NSEG, KP, CS, TG=0):
     key = None
     if not capturing:
         stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
-        key = (dev, stream, rows, NSEG, KP, CS, TG)
+        key = (dev, stream, rows, NSEG, KP, CS)
         got = _SCRATCH.get(key)
         if got is not None:
             return got
@@ -785,7 +768,6 @@ def _seg_scratch(dev, rows, NSEG, KP, CS, TG=0):
            torch.empty((P,), dtype=f32, device=dev),
            torch.empty((P * CS,), dtype=torch.int32, device=dev))
     got += (torch.zeros((rows,), dtype=torch.int32, device=dev) if NSEG > 1 else got[3],)
-    got += (torch.empty((P * TG,), dtype=f32, device=dev) if TG else None,)  # the split's slot maxima
     if key is not None:
         if len(_SCRATCH) >= _SCRATCH_MAX:
             _SCRATCH.pop(next(iter(_SCRATCH)))
@@ -819,17 +801,15 @@ def _topk_segments(x, K, KP, active, chunk, chunk_warps):
     if rows == 0:
         return lse, top_lp, top_id
     CS = 16
-    split = bool(SEG_SPLIT) and NSEG == 1
-    part_key, part_m, part_s, scr, ticket, g = _seg_scratch(dev, rows, NSEG, KP, CS, T if split else 0)
-    for phase in ((1, 2) if split else (0,)):
-        _seg_kernel[(rows * NSEG,)](
-            x, active, part_key, part_m, part_s, scr, ticket, top_lp, top_id, lse,
-            L, V, x.stride(0), x.stride(1), NSEG, SEG, K,
-            U=U, NTHR=NTHR, VEC=VEC, NTP=_next_pow2(triton.cdiv(min(SEG, V), T)), KP=KP, CS=CS,
-            NSEGP=_next_pow2(NSEG), HAS_ACTIVE=active is not None, num_warps=nw,
-            maxnreg=SEG_MAXNREG,  # the streaming loop needs < 128; the rare paths may spill
-            STAGES=SEG_STAGES, PHASE=phase, g_ptr=g,
-        )
+    part_key, part_m, part_s, scr, ticket = _seg_scratch(dev, rows, NSEG, KP, CS)
+    _seg_kernel[(rows * NSEG,)](
+        x, active, part_key, part_m, part_s, scr, ticket, top_lp, top_id, lse,
+        L, V, x.stride(0), x.stride(1), NSEG, SEG, K,
+        U=U, NTHR=NTHR, VEC=VEC, NTP=_next_pow2(triton.cdiv(min(SEG, V), T)), KP=KP, CS=CS,
+        NSEGP=_next_pow2(NSEG), HAS_ACTIVE=active is not None, num_warps=nw,
+        maxnreg=SEG_MAXNREG,  # the streaming loop needs < 128; the rare paths may spill
+        STAGES=SEG_STAGES,
+    )
     return lse, top_lp, top_id
 
 

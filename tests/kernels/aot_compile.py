@@ -98,13 +98,7 @@ def build_tree_variants():
             yield f"build_tree seg {dtype[1:]} KP={kp} active={active}", BT._seg_kernel, dict(
                 SEG_PTRS, logits_ptr=dtype), dict(
                 active_ptr="keep" if active else None, U=4096 // (128 * vec), NTHR=128, VEC=vec,
-                NTP=ntp, KP=kp, CS=16, NSEGP=nsegp, HAS_ACTIVE=active, STAGES=BT.SEG_STAGES, PHASE=0,
-                g_ptr=None), SEG_OPTS
-    for phase, active in ((1, False), (2, False), (1, True), (2, True)):  # rows in one segment (SEG_SPLIT)
-        yield f"build_tree seg bf16 KP=16 active={active} phase={phase}", BT._seg_kernel, dict(
-            SEG_PTRS, g_ptr="*fp32"), dict(
-            active_ptr="keep" if active else None, U=4, NTHR=128, VEC=8, NTP=64, KP=16, CS=16, NSEGP=1,
-            HAS_ACTIVE=active, STAGES=BT.SEG_STAGES, PHASE=phase), SEG_OPTS
+                NTP=ntp, KP=kp, CS=16, NSEGP=nsegp, HAS_ACTIVE=active, STAGES=BT.SEG_STAGES), SEG_OPTS
     for dtype in ("*bf16", "*fp32"):  # K + 1 > 32: chunk + merge kernels
         for kp, active in ((64, False), (64, True)):
             yield f"build_tree chunk {dtype[1:]} KP={kp} active={active}", BT._chunk_kernel, dict(

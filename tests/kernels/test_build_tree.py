@@ -371,32 +371,6 @@ def test_segment_of_several_tiles_nan_redo_and_merge(monkeypatch, preload):
     assert t.topk_ids[0, 0, :3].tolist() == [3 * 4096 + 11, 5, 4096 + 5]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_split_stream_then_select(monkeypatch, dtype):
-    """Rows read in one segment go through two launches (SEG_SPLIT: the stream writes each row's
-    slot maxima, max and sum; the selection reads them), with the same first stage bit for bit as
-    the one launch that streams and selects: ties across tiles, a NaN row (read again sanitised), a
-    row of -inf, an all -inf row, an inactive request."""
-    import importlib
-
-    mod = importlib.import_module("ddtree_patcher.kernels.build_tree")
-    g = torch.Generator().manual_seed(17)
-    x = torch.randn(3, 3, 2 * 4096 + 8200, generator=g).to(dtype)
-    x[0, 0, 5] = 7.0
-    x[0, 0, 4096 + 5] = 7.0  # equal value, same slot, later tile
-    x[0, 0, 3 * 4096 + 11] = 8.0
-    x[0, 1, 9000] = float("nan")
-    x[0, 2, :100] = float("-inf")
-    x[1, 1] = float("-inf")
-    active = torch.tensor([True, True, False])
-    out = {}
-    for split in (1, 0):
-        monkeypatch.setattr(mod, "SEG_SPLIT", split)
-        out[split] = _both(x, 12, 8, active=active, chunk=32768)  # one segment per row
-    assert all(a is None and b is None or torch.equal(a, b) for a, b in zip(out[0], out[1]))
-    assert out[1].topk_ids[0, 0, :3].tolist() == [3 * 4096 + 11, 5, 4096 + 5]
-
-
 def test_scratch_reused_across_calls():
     """The first stage's scratch is made once per shape and reused (_seg_scratch): consecutive
     builds of one shape with other logits are still exact, the rows' tickets are zero again after
