@@ -222,6 +222,16 @@ def bench(B, budgets, L, V, dev, l2, bw, read_bw, knobs, seed):
         BT.SEG_TILE, BT.SEG_MAXNREG, BT.SEG_CTAS_PER_SM, BT.TREE_PRELOAD_MAX, BT.SEG_STAGES = saved
 
 
+def _first_stage(x, stages):
+    """draft_topk(x, 8) with stage 1's stream at ``stages`` tiles in flight (0: the register
+    prefetch) for this call only."""
+    saved, BT.SEG_STAGES = BT.SEG_STAGES, stages
+    try:
+        return draft_topk(x, 8)
+    finally:
+        BT.SEG_STAGES = saved
+
+
 def _bench(B, budgets, L, V, dev, l2, bw, read_bw, knobs, seed):
     tm = timer(dev)
     nbytes = B * L * V * 2
@@ -453,20 +463,11 @@ def main():
             # (0 = the register prefetch, the stream before 2026-12-03)
             sweep = [(b, [64], dict(seg_stages=st)) for b in batch for st in (0, 2, 3, 4)]
             results["stages_equal"] = []
-            default_stages = BT.SEG_STAGES
             for b_ in (1, 8, 64):  # the pipelined stream gives the same first stage bit for bit
                 x = drafter_logits(b_, L, V, dev, 3)
-                try:
-                    BT.SEG_STAGES = 0
-                    ref = draft_topk(x, 8)
-                finally:
-                    BT.SEG_STAGES = default_stages
+                ref = _first_stage(x, 0)
                 for st in (2, 3, 4):
-                    BT.SEG_STAGES = st
-                    try:
-                        got = draft_topk(x, 8)
-                    finally:
-                        BT.SEG_STAGES = default_stages
+                    got = _first_stage(x, st)
                     same = all(torch.equal(a_, b2) for a_, b2 in zip(got, ref))
                     results["stages_equal"].append(dict(B=b_, stages=st, equal=same))
                     log(f"[stages] B={b_} stages={st}: first stage equal to the register prefetch's: {same}")
