@@ -3,11 +3,32 @@
 Exit codes: 0 desired state holds; 1 internal error; 2 usage; 3 refused, nothing changed;
 4 environment error, nothing changed; 5 post-apply validation failed, rolled back;
 6 verify: something pending or lost.
+
+``--json``: exactly one JSON object on stdout for every outcome, usage errors (exit 2) included;
+the human text goes to stderr. Schema 1 (keys are only added, never renamed or removed):
+
+* always: ``schema`` (1), ``command`` (``apply``/``verify``/``revert``, or the command whose
+  arguments click refused; null when there is none), ``vllm`` (``{"path", "version", "dist"}`` or null when not resolved),
+  ``changed`` (a file was written), ``restart_required`` (this run changed vLLM's files: running
+  vLLM processes still hold the old code), ``exit_code``, ``patches`` (``[{"id", "status",
+  "reason", "files": [{"path", "status", "reason"}]}]``, empty when the run ended before a scan);
+* when they apply: ``error`` (why the exit code is not 0; whole, never wrapped), ``notes``,
+  ``warnings``, ``next`` (verify: what to do now, as prose for a person), ``next_argv`` (the
+  first command of ``next`` as an argv to run as is: the running ddtree-patch, the same target
+  as absolute paths, apply with the same ``--patch`` selection; absent when that first step is
+  not a ddtree-patch command, e.g. reinstalling vLLM), ``last_change`` (verify, exit 0 with
+  patches applied: when ddtree-patch last changed this vLLM, ISO 8601 UTC; a vLLM process
+  started before then runs older code), ``diff`` (``--dry-run``).
+
+``list --json`` is its own object (``schema``, ``command``, ``patches``: the registry), except
+for a usage error. ``--help`` and ``--version`` print text. docs/fleet.md ("The --json object")
+documents the same; ``report.JSON_SCHEMA`` lists the keys.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import shlex
 import sys
 import traceback
@@ -47,13 +68,90 @@ _patch_option = click.option("--patch", "patch_ids", multiple=True, metavar="ID"
                              help="Only this patch (repeatable; default: every patch).")
 
 
+def _wants_json(argv: list[str]) -> bool:
+    return "--json" in (argv[:argv.index("--")] if "--" in argv else argv)
+
+
+class _Main(click.Group):
+    """The command group; with ``--json`` anywhere on the command line, a usage error (click's
+    exit 2: a bad option value, an unknown option or command) still prints exactly one JSON
+    object on stdout, after click's own message on stderr."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        argv = list(sys.argv[1:] if args is None else args)
+        if not standalone_mode or not _wants_json(argv):
+            return super().main(argv, prog_name, complete_var, standalone_mode, **extra)
+        from ddtree_patcher import report
+
+        name = next((a for a in argv if a in self.commands), None)
+        try:
+            rv = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.ClickException as exc:
+            exc.show()
+            ctx = getattr(exc, "ctx", None)
+            if ctx is not None and ctx.command is not self and ctx.command.name in self.commands:
+                name = ctx.command.name
+            report.emit_error(name, exc.exit_code, exc.format_message(), as_json=True, say=False)
+            sys.exit(exc.exit_code)
+        except click.exceptions.Abort:
+            click.echo("Aborted!", err=True)
+            report.emit_error(name, 1, "interrupted (nothing was changed, or the next command "
+                              "finishes or rolls back what was)", as_json=True, say=False)
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def _self_argv() -> list[str]:
+    """How to run this ddtree-patch again: its console script, else this interpreter with -m."""
+    if os.path.basename(sys.argv[0]) == "ddtree-patch" and os.path.isfile(sys.argv[0]):
+        return [os.path.abspath(sys.argv[0])]
+    return [sys.executable, "-m", "ddtree_patcher.cli"]
+
+
+def _next_argv(result, engine, vllm_path, python, patch_ids) -> list[str] | None:
+    """The first step of verify's ``next`` as an argv, when that step is a ddtree-patch command:
+    ``revert --force`` for files modified since apply, else ``apply`` for pending or lost patches.
+    The same decisions, in the same order, as the prose (Engine._next_step)."""
+    from ddtree_patcher.patchlib import DRIFTED, LOST, PENDING
+
+    if result.command != "verify" or not result.next:
+        return None
+    where = []
+    if vllm_path:
+        where += ["--vllm-path", os.path.abspath(vllm_path)]
+    if python:
+        where += ["--python", os.path.abspath(python) if os.sep in python else python]
+    drifted = {f.path for r in result.reports for f in r.files if f.status == DRIFTED}
+    if drifted & set(engine._state().files):
+        return [*_self_argv(), "revert", "--force", *where]
+    if drifted or any(r.problem for r in result.reports):
+        return None  # a person first: reinstall vLLM, or fix the runtime
+    if any(r.status in (PENDING, LOST) for r in result.reports):
+        return [*_self_argv(), "apply", *where, *(f"--patch={p}" for p in patch_ids)]
+    return None
+
+
+def _last_change(result, engine) -> str | None:
+    """verify, exit 0, something applied: when ddtree-patch last wrote this vLLM's state."""
+    from ddtree_patcher import report
+    from ddtree_patcher.patchlib import APPLIED
+
+    if result.command != "verify" or int(result.code) != 0 or not any(
+            r.status == APPLIED for r in result.reports):
+        return None
+    try:
+        return report.iso_utc(os.stat(engine.store.state_path).st_mtime)
+    except OSError:
+        return None
+
+
 def target_options(f):
     for opt in reversed(_target_options):
         f = opt(f)
     return f
 
 
-def _run(command: str, as_json: bool, vllm_path, python, lock_timeout, fn) -> None:
+def _run(command: str, as_json: bool, vllm_path, python, lock_timeout, fn, patch_ids=()) -> None:
     from ddtree_patcher import report
     from ddtree_patcher.engine import Engine, RefusedWith
     from ddtree_patcher.errors import describe
@@ -65,8 +163,10 @@ def _run(command: str, as_json: bool, vllm_path, python, lock_timeout, fn) -> No
     try:
         target = resolve(vllm_path, python)
         report.header(command, target)
-        result = fn(Engine(target, lock_timeout=lock_timeout, python=python, how=how))
-        report.emit(result, as_json)
+        engine = Engine(target, lock_timeout=lock_timeout, python=python, how=how)
+        result = fn(engine)
+        report.emit(result, as_json, next_argv=_next_argv(result, engine, vllm_path, python, patch_ids),
+                    last_change=_last_change(result, engine))
         sys.exit(int(result.code))
     except RefusedWith as exc:
         report.emit(exc.result, as_json, error=exc.message)
@@ -86,7 +186,7 @@ def _run(command: str, as_json: bool, vllm_path, python, lock_timeout, fn) -> No
         sys.exit(int(ExitCode.INTERNAL))
 
 
-@click.group(epilog=EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=_Main, epilog=EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="ddtree-patch")
 def main() -> None:
     """Apply, verify and revert DFlash/DDTree patches to an installed vLLM."""
@@ -113,7 +213,8 @@ def apply(vllm_path, python, as_json, lock_timeout, patch_ids, dry_run, allow_un
               help="Also import the patched modules in a subprocess of the target interpreter.")
 def verify(vllm_path, python, as_json, lock_timeout, patch_ids, import_check):
     """Report each patch's status without changing anything (never imports vLLM by default)."""
-    _run("verify", as_json, vllm_path, python, lock_timeout, lambda e: e.verify(patch_ids, import_check=import_check))
+    _run("verify", as_json, vllm_path, python, lock_timeout, lambda e: e.verify(patch_ids, import_check=import_check),
+         patch_ids)
 
 
 @main.command(epilog=EPILOG)
