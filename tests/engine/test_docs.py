@@ -39,3 +39,92 @@ def test_engine_speed_doc_is_generated_for_the_current_registry():
     assert f"holds {len(ids)} patches" in text, "docs/engine-speed.md is stale: re-run the benchmark with --write-doc"
     for pid in ids:
         assert f"`{pid}`" in text, f"docs/engine-speed.md does not know {pid}: re-run the benchmark with --write-doc"
+
+
+# ---- docs/fleet.md and the examples it shows (issue 39) -------------------------------------
+
+FLEET = REPO / "docs" / "fleet.md"
+CONTAINER = REPO / "examples" / "container"
+
+
+def _instructions(text: str) -> list[str]:
+    """A Dockerfile's instructions: comments and blank lines dropped, continuations joined."""
+    out, cur = [], ""
+    for line in text.splitlines():
+        if not cur and (not line.strip() or line.lstrip().startswith("#")):
+            continue
+        cur += line.rstrip()
+        if cur.endswith("\\"):
+            cur = cur[:-1]
+            continue
+        out.append(" ".join(cur.split()))
+        cur = ""
+    return out
+
+
+def _blocks(text: str, lang: str) -> list[str]:
+    import re
+
+    return re.findall(rf"^```{lang}\n(.*?)^```", text, re.M | re.S)
+
+
+def test_fleet_doc_shows_the_example_dockerfile():
+    (block,) = _blocks(FLEET.read_text(), "dockerfile")
+    assert _instructions(block) == _instructions((CONTAINER / "Dockerfile").read_text()), (
+        "docs/fleet.md's Dockerfile differs from examples/container/Dockerfile")
+
+
+def test_documented_docker_runs_of_ddtree_patch_set_the_entrypoint():
+    """The image is built FROM vllm/vllm-openai, whose ENTRYPOINT is the API server (`vllm
+    serve`): arguments after the image name go to the server, so running ddtree-patch in a
+    container takes `--entrypoint ddtree-patch`, and the image name is followed by its command."""
+    import shlex
+
+    docker = (CONTAINER / "Dockerfile").read_text()
+    assert "vllm/vllm-openai:" in docker and not any(
+        i.startswith(("ENTRYPOINT", "CMD")) for i in _instructions(docker))  # the base image's ENTRYPOINT holds
+    runs = []  # the commands shown: shell blocks of the docs, the Dockerfile's usage comment
+    for path in (FLEET, REPO / "README.md", CONTAINER / "Dockerfile", CONTAINER / "README.md",
+                 REPO / "examples" / "ansible" / "README.md"):
+        text = path.read_text()
+        lines = ([line.lstrip("#") for line in text.splitlines() if line.startswith("#   docker ")]
+                 if path.name == "Dockerfile" else
+                 [line for block in _blocks(text, "(?:bash|sh|console|shell)") for line in block.splitlines()])
+        for line in lines:
+            line = line.split("  #")[0].strip().removeprefix("$ ")
+            if line.startswith("docker run") and "ddtree-patch" in line:
+                runs.append((path.name, line))
+    assert len(runs) >= 3, runs
+    for where, line in runs:
+        argv = shlex.split(line[line.index("docker run"):])
+        assert "--entrypoint" in argv and argv[argv.index("--entrypoint") + 1] == "ddtree-patch", (where, line)
+        image = next(a for a in argv if a.startswith("vllm-ddtree:"))
+        assert argv[argv.index(image) + 1] in ("verify", "apply", "revert", "list", "--help"), (where, line)
+
+
+def test_container_context_holds_what_the_package_build_needs():
+    """Dockerfile.dockerignore lets through every file pyproject.toml names to build the wheel."""
+    import tomllib
+
+    keep = {line[1:].strip("/") for line in (CONTAINER / "Dockerfile.dockerignore").read_text().splitlines()
+            if line.startswith("!")}
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    need = {"pyproject.toml", project["project"]["readme"]}
+    need |= {pkg.split(".")[0] for pkg in project["tool"]["setuptools"]["packages"]}
+    need |= set(project["tool"]["setuptools"].get("package-dir", {}).values())
+    assert need <= keep, need - keep
+
+
+def test_fleet_doc_documents_the_json_schema_and_the_role_variables():
+    import re
+
+    from ddtree_patcher.report import JSON_SCHEMA
+
+    text = FLEET.read_text()
+    section = text[text.index("## The --json object"):text.index("## Ansible")]
+    for key in JSON_SCHEMA["always"] + JSON_SCHEMA["optional"]:
+        assert f"| `{key}` |" in section, f"docs/fleet.md does not document the JSON key {key}"
+    defaults = (REPO / "examples/ansible/roles/ddtree_patch/defaults/main.yml").read_text()
+    for var in re.findall(r"^(\w+):", defaults, re.M):
+        assert f"| `{var}` |" in text, f"docs/fleet.md does not document the role variable {var}"
+    assert "unclaimed" in text and "Never `pip install ddtree-patch` from the public index" in text
