@@ -243,6 +243,11 @@ class _Sources:
         return self._parsed[key]
 
 
+def _gone(target: Target, pf) -> bool:
+    """``pf`` may be missing here: every file it went with is missing too (PatchFile.gone_with)."""
+    return bool(pf.gone_with) and not any((target.site / g).exists() for g in pf.gone_with)
+
+
 def _scan(target: Target, state: State, patches: tuple[Patch, ...], src: _Sources) -> list[PatchReport]:
     reports = []
     for patch in patches:
@@ -260,6 +265,10 @@ def _scan(target: Target, state: State, patches: tuple[Patch, ...], src: _Source
                     files.append(FileReport(rel, LOST, f"{rel} is gone since apply"))
                 elif pf.optional:
                     files.append(FileReport(rel, NOT_APPLICABLE, f"{rel} is absent from this vLLM"))
+                elif _gone(target, pf):
+                    others = " and ".join(g for g in pf.gone_with if g != rel)
+                    files.append(FileReport(rel, NOT_APPLICABLE, f"{rel} is absent from this vLLM"
+                                            + (f", as is {others} (gone together)" if others else "")))
                 else:
                     files.append(FileReport(rel, UNSUPPORTED, f"{rel}: file not found"))
                 continue
@@ -355,7 +364,7 @@ def _plan(target: Target, state: State, store: tx.Store, src: _Sources, desired_
         wanted = [p for p in all_ if p.id in desired_ids and any(pf.path == rel for pf in p.files)]
         cur = src.read(rel)
         if cur is None:
-            optional = all(pf.optional for p in wanted for pf in p.files if pf.path == rel)
+            optional = all(pf.optional or _gone(target, pf) for p in wanted for pf in p.files if pf.path == rel)
             if optional:  # absent from this release (or gone since): nothing to write
                 continue
             raise Refused(f"{rel}: file not found")

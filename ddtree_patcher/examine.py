@@ -38,9 +38,10 @@ def _site_state(patch: Patch, path: str, module: cst.Module, site: Site, marked:
     if marked and h.contains_text(module, node, patch.marker):
         return _SiteState(APPLIED, f"{where}: carries '{patch.marker}'", node)
     if site.fixed is not None and h.count(node, site.fixed()):
-        return _SiteState(UPSTREAM, f"{where}: upstream fix present", node)
+        by = f" ({site.fixed_by})" if site.fixed_by else ""
+        return _SiteState(UPSTREAM, f"{where}: upstream fix present{by}", node)
     if site.applies is not None and not site.applies(module, node):
-        return _SiteState(NOT_APPLICABLE, f"{where}: targeted code absent in this release", node)
+        return _SiteState(NOT_APPLICABLE, f"{where}: {site.absent or 'targeted code absent in this release'}", node)
     n = h.count(node, site.unfixed())
     if n != site.expect:
         return _SiteState(

@@ -50,6 +50,12 @@ class _Lazy:
 cst = _Lazy("libcst")
 m = _Lazy("libcst.matchers")
 
+# Where DFlash exists at all (0.20.0+; the drafter model file): a patch's usual ``requires``.
+DFLASH_MODEL = "vllm/model_executor/models/qwen3_dflash.py"
+# The V1 runner's DFlash files, gone together from vLLM 0.34.0 (V2-only): a V1-only target file's
+# ``gone_with``, so that it is not applicable where both are missing (and refused where only it is).
+V1_DFLASH = ("vllm/v1/spec_decode/dflash.py", "vllm/v1/worker/gpu_model_runner.py")
+
 Matcher = Callable[[], Any]  # a function returning a libcst matcher (built lazily, see _Lazy)
 
 
@@ -65,6 +71,8 @@ class Site:
     # False when the code the patch targets is absent from this function (e.g. no DFlash branch).
     applies: Callable[[Any, Any], bool] | None = None  # (module, function node) -> bool
     expect: int = 1
+    fixed_by: str = ""  # the upstream change ``fixed`` recognises, named in the "upstream" reason
+    absent: str = ""  # why the site is not applicable where ``applies`` says so (default: code absent)
 
 
 @dataclass(frozen=True)
@@ -82,6 +90,9 @@ class PatchFile:
     variants: tuple[Variant, ...]
     # the file may be missing from a release (then: not-applicable); otherwise missing = unsupported
     optional: bool = False
+    # the file may be missing where every one of these files is missing too (its code went with them,
+    # e.g. the V1 runner's DFlash files in a V2-only vLLM): then not-applicable; else as ``optional`` says
+    gone_with: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -181,6 +192,21 @@ def absent_site(function: str, anchor: str, present: str) -> Site:
         return find_def(module, present) is not None
 
     return Site(function=function, anchor=anchor, unfixed=never, rewrite=rules_rewrite(), applies=has)
+
+
+def unported_site(function: str, shapes: frozenset[str], why: str) -> Site:
+    """The only site of a variant for a code shape the patch's runtime is known not to support yet:
+    where ``function`` has one of ``shapes`` (pristine ``cst`` hashes) the file is not applicable,
+    ``why`` being the reason; anywhere else this variant never matches, so another variant must
+    recognise the file (or it is refused). A new shape is never silently skipped."""
+
+    def unknown(module, node) -> bool:
+        from ddtree_patcher.cst_helpers import shape_hash
+
+        return shape_hash(module, node) not in shapes
+
+    return Site(function=function, anchor=f"`{function}` of a shape known to be unsupported ({', '.join(sorted(shapes))})",
+                unfixed=never, rewrite=rules_rewrite(), applies=unknown, absent=why)
 
 
 def runtime_abi(module: str, attr: str, python: str | None) -> tuple[int | None, str]:

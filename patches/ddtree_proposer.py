@@ -31,12 +31,19 @@ Sites (each insert is a few marked lines; the anchor itself is kept unchanged):
   (attached to the runner's TreeStep) or a chain. On 0.20.0-0.23.0 the V2 runner exists but
   cannot host DFlash: not applicable (the test of tree-walk-hook's V2 site).
 
-Not applicable before 0.20.0 (no DFlash). Nothing is upstream.
+Not applicable before 0.20.0 (no DFlash). Nothing is upstream. vLLM 0.34.0 has no V1 runner (its files
+are not applicable); its config, V2 speculator and V2 runner have new shapes whose anchors still match:
+not applicable there (``unported-0.34``, the shapes named) until the runtime supports that runner; any
+other new shape is refused.
 """
 
 from __future__ import annotations
 
-from ddtree_patcher.patchlib import Patch, PatchFile, Site, Variant, cst, insert_statements, m, runtime_check
+from ddtree_patcher.patchlib import (
+    DFLASH_MODEL, V1_DFLASH, Patch, PatchFile, Site, Variant, cst, insert_statements, m, runtime_check,
+    unported_site,
+)
+from ddtree_patcher.patches.tree_walk_hook import WHY_UNPORTED
 
 ID = "ddtree-proposer"
 MARK = f"# ddtree-patch: {ID}"
@@ -264,6 +271,12 @@ SHAPES_V2_RUNNER = {V2_RUNNER_FN: frozenset({
 })}
 
 
+# vLLM 0.34.0 (V2-only): every anchor still matches; known shapes, not supported yet
+UNPORTED_CONFIG = unported_site(CONFIG_FN, frozenset({"cf5f16e7b8cc"}), WHY_UNPORTED)
+UNPORTED_V2_DFLASH = unported_site(V2_INIT_FN, frozenset({"7080234e035e"}), WHY_UNPORTED)
+UNPORTED_V2_RUNNER = unported_site(V2_RUNNER_FN, frozenset({"50e11efe9bab"}), WHY_UNPORTED)
+
+
 # the call sites import ddtree_patcher.runtime.ddtree in vLLM's interpreter
 _runtime = runtime_check("ddtree_patcher.runtime.ddtree", "DDTREE_ABI", "ddtree",
                          (SPEC_PY, DFLASH_V1_PY, DFLASH_V2_PY), rb"ddtree_abi=(\d+)\)")
@@ -275,20 +288,23 @@ PATCH = Patch(
             "from the drafter depth) on the V1 and V2 runners (ddtree_patcher.runtime.ddtree)",
     kind="hook",
     upstream=(),
-    requires=(DFLASH_V1_PY,),
+    requires=(DFLASH_MODEL,),
     doc="docs/patches/ddtree-proposer.md",
     runtime=_runtime,
     files=(
-        PatchFile(path=SPEC_PY, variants=(Variant("config-0.20", ON_020 + ON_024, (CONFIG_SITE,), SHAPES_CONFIG),)),
-        PatchFile(path=DFLASH_V1_PY,
+        PatchFile(path=SPEC_PY, variants=(Variant("config-0.20", ON_020 + ON_024, (CONFIG_SITE,), SHAPES_CONFIG),
+                                          Variant("unported-0.34", ("0.34.0",), (UNPORTED_CONFIG,)))),
+        PatchFile(path=DFLASH_V1_PY, gone_with=V1_DFLASH,
                   variants=(Variant("v1-init-0.20", ON_020 + ON_024, (V1_BIND_SITE,), SHAPES_V1_INIT),)),
-        PatchFile(path=PROPOSER_PY, variants=(
+        PatchFile(path=PROPOSER_PY, gone_with=V1_DFLASH, variants=(
             Variant("v1-0.24", ON_024, (V1_DEPTH_SITE, V1_TREE_SITE), SHAPES_PROPOSE_024),
             Variant("v1-0.20", ON_020, (V1_TREE_SITE,), SHAPES_PROPOSE_020),
         )),
         PatchFile(path=DFLASH_V2_PY, optional=True,
-                  variants=(Variant("v2-0.24", ON_024, (V2_BIND_SITE, V2_TREE_SITE), SHAPES_V2_DFLASH),)),
+                  variants=(Variant("v2-0.24", ON_024, (V2_BIND_SITE, V2_TREE_SITE), SHAPES_V2_DFLASH),
+                            Variant("unported-0.34", ("0.34.0",), (UNPORTED_V2_DFLASH,)))),
         PatchFile(path=RUNNER_V2_PY, optional=True,
-                  variants=(Variant("v2-runner-0.24", ON_024 + ON_020, (V2_TOKENS_SITE,), SHAPES_V2_RUNNER),)),
+                  variants=(Variant("v2-runner-0.24", ON_024 + ON_020, (V2_TOKENS_SITE,), SHAPES_V2_RUNNER),
+                            Variant("unported-0.34", ("0.34.0",), (UNPORTED_V2_RUNNER,)))),
     ),
 )

@@ -57,7 +57,9 @@ Everywhere else the patch is not applicable and DDTree keeps refusing to start, 
 
 from __future__ import annotations
 
-from ddtree_patcher.patchlib import Patch, PatchFile, Site, Variant, insert_statements, m, runtime_check
+from ddtree_patcher.patchlib import (
+    DFLASH_MODEL, V1_DFLASH, Patch, PatchFile, Site, Variant, insert_statements, m, runtime_check,
+)
 
 ID = "ddtree-tree-step"
 MARK = f"# ddtree-patch: {ID}"
@@ -298,7 +300,8 @@ FA_SITE = Site(function=FA_FN, anchor="`flash_attn_varlen_func(..., causal=causa
 
 V2_SITE = Site(function=V2_INIT_FN, anchor="`self.speculative_config = vllm_config.speculative_config` (V2 runner)",
                unfixed=_spec_config_assign, rewrite=insert_statements(_spec_config_assign, V2_CODE, after=True),
-               applies=_shape_is(SHAPES_V2))
+               applies=_shape_is(SHAPES_V2),
+               absent="not a V2 runner shape the tree step knows (0.24.0-0.33.0): no tree step, DDTree is refused")
 V2_PREP_SITE = Site(function=V2_EXEC_FN, anchor="`block_tables, slot_mappings = self.prepare_attn(input_batch)` (V2)",
                     unfixed=_prepare_attn_assign,
                     rewrite=insert_statements(_prepare_attn_assign, V2_PREP_CODE, after=True),
@@ -327,11 +330,11 @@ PATCH = Patch(
             "(ddtree_patcher.runtime.tree_step)",
     kind="hook",
     upstream=(),
-    requires=("vllm/v1/spec_decode/dflash.py",),
+    requires=(DFLASH_MODEL,),
     doc="docs/patches/ddtree-tree-step.md",
     runtime=_runtime,
     files=(
-        PatchFile(path=RUNNER_PY, variants=(Variant("v1", ON_RUNNER, (PREP_SITE, CAPTURE_SITE, DRAFT_SITE), SHAPES_RUNNER),)),
+        PatchFile(path=RUNNER_PY, gone_with=V1_DFLASH, variants=(Variant("v1", ON_RUNNER, (PREP_SITE, CAPTURE_SITE, DRAFT_SITE), SHAPES_RUNNER),)),
         PatchFile(path=CPU_ATTN_PY, optional=True,
                   variants=(Variant("cpu-attn-0.28", ON_CPU, (ATTN_SITE,), SHAPES_CPU_ATTN),)),
         PatchFile(path=FLASH_ATTN_PY, optional=True,

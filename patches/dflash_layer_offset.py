@@ -5,12 +5,13 @@ Before the fix (0.20.0–0.21.0) the drafter gets every context feature from the
 one it was trained on: nothing crashes, acceptance drops. Speculators-format configs carry
 EAGLE-indexed ``eagle_aux_hidden_state_layer_ids``, which take precedence and stay unchanged;
 ``update_dflash`` maps them back to DFlash semantics (``i - 1``) so the two stay consistent.
-Upstream from 0.22.0; not applicable before 0.20.0 (no DFlash).
+Upstream from 0.22.0; not applicable before 0.20.0 (no DFlash). From 0.34.0 the V1 runner is gone (its
+file is not applicable) and the V2 runner adds the 1 itself (``eagle3_utils.py``): upstream.
 """
 
 from __future__ import annotations
 
-from ddtree_patcher.patchlib import Patch, PatchFile, Site, Variant, cst, m, replace_and_mark
+from ddtree_patcher.patchlib import DFLASH_MODEL, V1_DFLASH, Patch, PatchFile, Site, Variant, cst, m, replace_and_mark
 
 ID = "dflash-layer-offset"
 RUNNER_FN = "GPUModelRunner._get_eagle3_aux_layers_from_config"
@@ -42,6 +43,7 @@ RUNNER = Site(
     anchor='`layer_ids = dflash_config.get("target_layer_ids")`',
     unfixed=_raw_target_ids,
     fixed=_plus_one,
+    fixed_by="vllm#40727",
     rewrite=replace_and_mark(_raw_target_ids, _add_one),
     applies=lambda module, node: "dflash_config" in module.code_for_node(node),
 )
@@ -68,6 +70,7 @@ SPECULATORS = Site(
     anchor='`"target_layer_ids": aux_layer_ids` in the dflash_config dict',
     unfixed=_raw_dict_entry,
     fixed=_minus_one,
+    fixed_by="vllm#40727",
     rewrite=replace_and_mark(_raw_dict_entry, _sub_one),
 )
 
@@ -78,10 +81,11 @@ PATCH = Patch(
     summary="Add 1 to DFlash target_layer_ids for EAGLE-indexed aux-layer capture (V1 runner)",
     kind="fix",
     upstream=("vllm-project/vllm#40727",),
-    requires=("vllm/v1/spec_decode/dflash.py",),
+    requires=(DFLASH_MODEL,),
     files=(
         PatchFile(
             path="vllm/v1/worker/gpu_model_runner.py",
+            gone_with=V1_DFLASH,  # 0.34.0+: no V1 runner (V2 derives the +1 itself, eagle3_utils.py)
             variants=(
                 Variant("v1-runner-0.20", VERIFIED_ON, (RUNNER,), {RUNNER_FN: frozenset({"7f35ddab7485"})}),
             ),

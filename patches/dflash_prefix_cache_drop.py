@@ -37,7 +37,7 @@ Shapes, chosen by code shape (never by version):
 from __future__ import annotations
 
 from ddtree_patcher.patchlib import (
-    Patch, PatchFile, Site, Variant, absent_site, any_of, cst, m, never, rules_rewrite,
+    DFLASH_MODEL, Patch, PatchFile, Site, Variant, absent_site, any_of, cst, m, never, rules_rewrite,
 )
 
 ID = "dflash-prefix-cache-drop"
@@ -210,6 +210,7 @@ PREDICATE_030 = Site(
     anchor="`return self.use_eagle() and not self.disable_eagle_block_drop`",
     unfixed=_predicate_line,
     fixed=_predicate_upstream,
+    fixed_by="0.33.0's needs_eagle_block_drop(): DFlash exempt by default",
     rewrite=rules_rewrite((_predicate_line, _predicate_excludes_dflash)),
 )
 
@@ -239,6 +240,7 @@ WARNING_030 = Site(
     anchor="`if self.use_eagle and not self.use_eagle_block_drop:` (block-drop-disabled warning)",
     unfixed=_warning_if,
     fixed=_warning_upstream,
+    fixed_by="0.33.0's needs_eagle_block_drop(): DFlash exempt by default",
     rewrite=rules_rewrite((_warning_if, _warn_unless_dflash)),
 )
 
@@ -296,6 +298,7 @@ def _connector_site(function: str, what: str) -> Site:
         anchor=f"`use_eagle = ... .use_eagle() ...` ({what}'s block-drop flag)",
         unfixed=_use_eagle_assignment,
         fixed=_predicate_call,  # 0.30.0+: consults use_eagle_block_drop() (DFlash exempt: predicate-0.30, 0.33.0)
+        fixed_by="vllm#53388's use_eagle_block_drop()",
         applies=_decides_block_drop,
         rewrite=rules_rewrite((_use_eagle_assignment, _and_not_dflash)),
     )
@@ -380,7 +383,7 @@ PATCH = Patch(
     kind="fix",
     upstream=("vllm-project/vllm#53388", "vllm-project/vllm#42971", "vllm-project/vllm#51771",
               "vllm-project/vllm#53670"),
-    requires=("vllm/v1/spec_decode/dflash.py",),
+    requires=(DFLASH_MODEL,),
     doc="docs/patches/dflash-prefix-cache-drop.md",
     files=(
         PatchFile(

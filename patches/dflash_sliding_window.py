@@ -22,6 +22,10 @@ Rewrites, chosen by code shape (never by version):
     (0.25.0, and 0.24.0 through the resolver of ``resolve-0.20``) refuses them with a named
     ``NotImplementedError`` (``MixedDrafterOnV2Error``) instead of running their sliding layers with
     full attention.
+  * ``resolved-0.34`` (0.34.0): upstream. The resolver raises for no drafter: 0.34.0 removed the V1
+    runner (``vllm/v1/spec_decode/*`` but ``metrics.py``, ``gpu_model_runner.py``), so mixed drafters run
+    on the V2 runner as upstream has run them since #47914; the V1 files below are not applicable there
+    (``gone_with``: missing together with the V1 runner's DFlash).
   * both: after ``self.self_attn = DFlashQwen3Attention(...)`` the layer calls
     ``ddtree_patcher.runtime.swa.finish_draft_layer`` (full KV storage for the sliding layers of a mixed
     drafter; symmetric window for non-causal sliding layers).
@@ -47,7 +51,7 @@ with a named error (``ddtree_patcher.runtime.swa.MixedDrafterOnV2Error``). ``gpu
 from __future__ import annotations
 
 from ddtree_patcher.patchlib import (
-    Patch, PatchFile, Site, Variant, absent_site, any_of, cst, m, rules_rewrite, runtime_abi,
+    V1_DFLASH, Patch, PatchFile, Site, Variant, absent_site, any_of, cst, m, never, rules_rewrite, runtime_abi,
 )
 
 ID = "dflash-sliding-window"
@@ -268,6 +272,27 @@ GUARD_025 = Site(
 )
 
 
+def _resolves_mixed_unguarded():
+    """0.34.0+: ``_resolve_layer_attention`` resolves each layer from ``layer_types[layer_idx]`` and
+    raises ``NotImplementedError`` for no drafter (the V1 runner, which could not run mixed drafters,
+    is gone; the V2 runner runs them since #47914)."""
+    raise_nie = m.Raise(exc=m.Call(func=m.Name("NotImplementedError")))
+    per_layer = m.Subscript(value=m.Name("layer_types"), slice=[m.SubscriptElement(m.Index(m.Name("layer_idx")))])
+    return m.FunctionDef(name=m.Name(RESOLVE), body=m.MatchIfTrue(
+        lambda body: bool(m.findall(body, per_layer)) and not m.findall(body, raise_nie)))
+
+
+RESOLVED_034 = Site(
+    function=RESOLVE,
+    anchor="`_resolve_layer_attention` resolving `layer_types[layer_idx]` with no `raise NotImplementedError` "
+           "(0.34.0+: mixed drafters resolved by upstream, V2 only)",
+    unfixed=never,
+    fixed=_resolves_mixed_unguarded,
+    fixed_by="vllm#47914: mixed sliding/full drafters on the V2 runner; 0.34.0 removed the V1 runner and its guard",
+    rewrite=rules_rewrite(),
+)
+
+
 # ---- llm_base_proposer.py: draft attention groups per (backend, window) ---------------------
 def _backend_key_line():  # backend_key = attn_backend.full_cls_name()
     return m.SimpleStatementLine(body=[m.Assign(
@@ -438,6 +463,7 @@ _NO_UNSUPPORTED_LIST = absent_site(
 ON_020 = ("0.20.0", "0.20.1", "0.20.2", "0.21.0", "0.22.0", "0.22.1", "0.23.0", "0.24.0")
 ON_025 = ("0.25.0", "0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")
 ON_029 = ON_025[4:]
+ON_034 = ("0.34.0",)
 
 # Pristine cst shape hashes (ddtree_patcher.cst_helpers.shape_hash) from the official wheels.
 SHAPES_020 = {
@@ -458,6 +484,7 @@ SHAPES_METADATA = {METADATA_FN: frozenset({"e85be54c7241", "9762b9783ff8"})}
 SHAPES_RUNNER = {RUNNER_FN: frozenset({"f3b11ba016ab", "2ec4bc1d017a", "888eafa2fdf9"})}
 # 0.20.0-0.22.1 (pending), 0.23.0-0.33.0 (`key.attn_backend`: upstream)
 SHAPES_UNPACK = {CREATE_GROUPS_FN: frozenset({"6dcfa185811c", "752b4bfc37b9"})}
+SHAPES_034 = {RESOLVE: frozenset({"c6b7d25f50b3"})}  # 0.34.0 (upstream: the shape is informative only)
 SHAPES_CONFIG = {UNSUPPORTED_FN: frozenset({"205518903fd1", "64e271cf2ff6", "675c586beb18"})}  # 0.29-0.30, 0.31-0.32, 0.33
 
 
@@ -491,12 +518,14 @@ PATCH = Patch(
                 # guard-0.25 first: resolve-0.20's upstream markers also match an applied 0.25+ file.
                 Variant("guard-0.25", ON_025, (GUARD_025, LAYER_025), SHAPES_025),
                 Variant("resolve-0.20", ON_020, (ATTN_020, LAYER_020, MODEL_020), SHAPES_020),
+                # upstream only: recognises 0.34.0's resolver (no guard: never pending)
+                Variant("resolved-0.34", ON_034, (RESOLVED_034,), SHAPES_034),
             ),
         ),
-        PatchFile(path=PROPOSER_PY, variants=(Variant("groups-0.20", ON_020 + ON_025, (PROPOSER,), SHAPES_PROPOSER),)),
-        PatchFile(path=DFLASH_PROPOSER_PY,
+        PatchFile(path=PROPOSER_PY, gone_with=V1_DFLASH, variants=(Variant("groups-0.20", ON_020 + ON_025, (PROPOSER,), SHAPES_PROPOSER),)),
+        PatchFile(path=DFLASH_PROPOSER_PY, gone_with=V1_DFLASH,
                   variants=(Variant("causal-groups-0.20", ON_020 + ON_025, (METADATA,), SHAPES_METADATA),)),
-        PatchFile(path=RUNNER_PY, variants=(
+        PatchFile(path=RUNNER_PY, gone_with=V1_DFLASH, variants=(
             Variant("group-key-0.20", ON_020 + ON_025, (RUNNER, UNPACK), {**SHAPES_RUNNER, **SHAPES_UNPACK}),)),
         PatchFile(
             path=CONFIG_PY,

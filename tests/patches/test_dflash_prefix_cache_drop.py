@@ -27,8 +27,8 @@ from overlay import overlay_site  # noqa: E402
 ID = P.ID
 MARK = P.MARK
 MATRIX = vllm_wheels.MATRIX
-NOT_APPLICABLE = {"0.19.1"}  # no DFlash (vllm/v1/spec_decode/dflash.py absent)
-UPSTREAM = {"0.33.0"}  # SpeculativeConfig.needs_eagle_block_drop() excludes DFlash/DSpark
+NOT_APPLICABLE = {"0.19.1"}  # no DFlash (vllm/model_executor/models/qwen3_dflash.py absent)
+UPSTREAM = {"0.33.0", "0.34.0"}  # SpeculativeConfig.needs_eagle_block_drop() excludes DFlash/DSpark
 PENDING = [v for v in MATRIX if v not in NOT_APPLICABLE | UPSTREAM]  # 0.20.0 ... 0.32.0
 NEEDS_SLOT = {"0.20.0", "0.20.1", "0.20.2", "0.21.0", "0.22.0", "0.22.1"}  # no #42971 (+1 slot) yet
 SCHED_030 = {"0.30.0", "0.31.0", "0.32.0"}

@@ -48,7 +48,11 @@ def _key(v: str) -> tuple[int, ...]:
     return tuple(int(x) for x in v.split("."))
 
 
-def expected_variants(version: str) -> dict[str, tuple[str, str]]:
+def expected_variants(version: str) -> dict[str, tuple[str | None, str]]:
+    if _key(version) >= (0, 34, 0):  # V2-only: the resolver runs mixed drafters itself, no V1 files
+        return {P.DFLASH_PY: ("resolved-0.34", "upstream"), P.PROPOSER_PY: (None, "absent"),
+                P.DFLASH_PROPOSER_PY: (None, "absent"), P.RUNNER_PY: (None, "absent"),
+                P.CONFIG_PY: ("no-unsupported-list", "not-applicable")}
     old = _key(version) < (0, 25, 0)
     has_list = _key(version) >= (0, 29, 0)
     return {
@@ -78,15 +82,19 @@ def test_runtime_module_imports_no_torch():
 
 @pytest.mark.parametrize("version", MATRIX)
 def test_status_per_release(version, matrix_statuses):
-    assert matrix_statuses[version][ID] == ("not-applicable" if version == "0.19.1" else "pending")
+    assert matrix_statuses[version][ID] == ("not-applicable" if version == "0.19.1" else
+                                            "upstream" if version == "0.34.0" else "pending")
 
 
 @pytest.mark.parametrize("version", MATRIX[1:])
 def test_variant_per_release_on_a_verified_shape(version):
     root = vllm_wheels.extracted(version)
     for pf in P.PATCH.files:
-        finding = examine(P.PATCH, pf, cst.parse_module((root / pf.path).read_bytes()))
         variant, status = expected_variants(version)[pf.path]
+        if status == "absent":
+            assert pf.gone_with and not (root / pf.path).exists(), pf.path
+            continue
+        finding = examine(P.PATCH, pf, cst.parse_module((root / pf.path).read_bytes()))
         assert (finding.variant, finding.status) == (variant, status), (pf.path, finding)
         if status == "pending":
             assert not finding.untested, finding
@@ -95,7 +103,18 @@ def test_variant_per_release_on_a_verified_shape(version):
 
 def test_shape_hashes_are_those_of_the_wheels():
     assert_shapes_are_those_of_the_wheels(
-        P.PATCH, lambda version, path, variant: expected_variants(version)[path] == (variant, "pending"))
+        P.PATCH, lambda version, path, variant: expected_variants(version)[path] in (
+            (variant, "pending"), (variant, "upstream")))
+
+
+def test_upstream_on_0_34_names_the_change():
+    """0.34.0's resolver raises for no mixed drafter (the V1 runner is gone; V2 runs them, #47914): upstream,
+    and only there (on 0.25.0-0.33.0 the guard is still in the resolver)."""
+    pf = next(f for f in P.PATCH.files if f.path == P.DFLASH_PY)
+    for version, want in (("0.33.0", "pending"), ("0.34.0", "upstream")):
+        finding = examine(P.PATCH, pf, cst.parse_module((vllm_wheels.extracted(version) / P.DFLASH_PY).read_bytes()))
+        assert finding.status == want, (version, finding)
+    assert "vllm#47914" in finding.reason and "removed the V1 runner" in finding.reason
 
 
 def _marked_count(rel: str, version: str) -> int:
