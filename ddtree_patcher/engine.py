@@ -572,7 +572,8 @@ class Engine:
         unsupported = [r.patch.id for r in reports if r.status == UNSUPPORTED]
         if unsupported:
             steps.append(f"{', '.join(unsupported)}: no variant recognises this vLLM's code, so it cannot be "
-                         "applied here (docs/matrix.md lists where each patch was verified)")
+                         "applied here (docs/matrix.md lists where each patch was verified); "
+                         + _survey_hint(self.target.version))
         return "; ".join(steps) or None
 
     # ---- commands -------------------------------------------------------------------------
@@ -643,6 +644,9 @@ class Engine:
                 elif r.patch.id not in selected and r.patch.id in state.patches and st == DRIFTED:
                     refusals.append(f"{r.patch.id} (applied earlier): drifted: {r.reason}")
             shown = [r for r in reports if r.patch.id in selected]
+            if any(r.patch.id in selected and (r.status == UNSUPPORTED or (
+                    r.status == PENDING and not allow_untested and any(f.untested for f in r.files))) for r in reports):
+                refusals.append(_survey_hint(self.target.version))  # code no variant knows: what moved where
             if refusals:
                 raise RefusedWith(Result("apply", self.target, shown, notes=notes), "; ".join(refusals))
             desired = [p.id for p in series()
@@ -701,6 +705,12 @@ class Engine:
                 result.changed = bool(changes)
             result.reports = self.scan(patches, save_cache=not lock.read_only and bool(new_state.files))
             return result
+
+
+def _survey_hint(version: str | None) -> str:
+    from ddtree_patcher.survey import hint  # no libcst, no download: just the command to suggest
+
+    return hint(version)
 
 
 def _report(reports: list[PatchReport], pid: str) -> PatchReport:
