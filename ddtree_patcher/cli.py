@@ -249,5 +249,19 @@ def list_(as_json):
         print(f"{r['id']:<24} {r['kind']:<5} {r['summary']}  [{', '.join(r['upstream'])}]")
 
 
+@main.command(epilog="\b\nExit codes:\n  0  report written\n  2  usage (not a release number, bad options)\n"
+                     "  4  the wheel could not be fetched or the vLLM not found")
+@click.option("--release", default=None, metavar="X.Y.Z",
+              help="Fetch the official vllm wheel of this release (pip, cached) and survey it.")
+@click.option("--vllm-path", default=None, help="Survey this installed vLLM instead (read only).")
+@_patch_option
+@click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
+def survey(release, vllm_path, patch_ids, as_json):
+    """Report per patch and anchor what matched, moved or is missing in a release (docs/survey.md)."""
+    from ddtree_patcher import survey as survey_mod
+
+    sys.exit(survey_mod.run(release, vllm_path, patch_ids, as_json))
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()
