@@ -59,16 +59,11 @@ import os
 import weakref
 from typing import Any
 
+from .switches import (  # noqa: F401  (DEFAULT_BUDGET, MAX_BUDGET: this module's public names)
+    DEFAULT_BUDGET, ENV_BUDGET, ENV_CHAIN, ENV_ENABLE, MAX_BUDGET, DDTreeConfigError, budget_from_env, switch,
+)
+
 DDTREE_ABI = 1  # the call-site <-> runtime contract; bump on any incompatible change
-ENV_ENABLE = "DDTREE_PATCH_ENABLE"
-ENV_BUDGET = "DDTREE_PATCH_BUDGET"
-ENV_CHAIN = "DDTREE_PATCH_CHAIN_AS_TREE"
-# The verify forward runs B * (1 + N) tokens, and budgets with 1 + N a multiple of 16 are the cheap
-# ones (GEMM tiles): on one H200 (docs/ddtree.md, "Which budget", run 10) N = 63 was 5-11 % faster
-# than N = 64 on V1 and V2 wherever the step was not host bound. The builder (docs/tree-builder.md)
-# costs 13 us over DFlash's argmax at B = 1 at budget 64; budget 256 adds 65-71 us (sequential pops).
-DEFAULT_BUDGET = 63
-MAX_BUDGET = 2047  # == ddtree_patcher.kernels.tree_reference.MAX_BUDGET (the builder's limit)
 FILLER_TOKEN = 0  # chain nodes past the drafter's depth, and tree padding nodes
 # node order of the trees (build_tree's spine_first): the top-1 chain first, so the compaction
 # after the walk moves only what follows the first accepted non-top-1 node (docs/tree-step.md)
@@ -76,11 +71,6 @@ SPINE_FIRST = True
 CONFIG_ATTR = "ddtree_patch"  # the record configure() leaves on the SpeculativeConfig object
 
 logger = logging.getLogger("vllm.ddtree_patch")
-
-
-class DDTreeConfigError(ValueError):
-    """DDTree cannot run with this configuration (bad budget, a conflicting vLLM option, or
-    processes that disagree about the switch)."""
 
 
 class DDTreeNotReady(RuntimeError):
@@ -92,29 +82,10 @@ class DDTreeABIError(RuntimeError):
     pass
 
 
-def _flag(name: str) -> bool:
-    return os.environ.get(name, "0") not in ("", "0")
-
-
 def enabled() -> bool:
-    """DDTree drafting requested in this process (``DDTREE_PATCH_ENABLE``)."""
-    return _flag(ENV_ENABLE)
-
-
-def budget_from_env() -> int:
-    """``DDTREE_PATCH_BUDGET`` as an int in [1, MAX_BUDGET] (default DEFAULT_BUDGET)."""
-    raw = os.environ.get(ENV_BUDGET)
-    if raw is None or not raw.strip():
-        return DEFAULT_BUDGET
-    try:
-        value = int(raw.strip(), 10)
-    except ValueError:
-        value = None
-    if value is None or not 1 <= value <= MAX_BUDGET:
-        raise DDTreeConfigError(
-            f"ddtree-patch: {ENV_BUDGET}={raw!r} is not a node budget: expected an integer in "
-            f"[1, {MAX_BUDGET}] (verify nodes per request; default {DEFAULT_BUDGET})")
-    return value
+    """DDTree drafting requested in this process (``DDTREE_PATCH_ENABLE``; a value other than
+    0/1 raises DDTreeConfigError)."""
+    return switch(ENV_ENABLE)
 
 
 def check_abi(ddtree_abi: int) -> None:
@@ -127,12 +98,13 @@ def check_abi(ddtree_abi: int) -> None:
 
 def mode_line() -> str:
     """The mode and budget, for the boot guard's line (raises DDTreeConfigError on a bad budget)."""
-    if _flag(ENV_ENABLE) and _flag(ENV_CHAIN):
+    enable, chain = switch(ENV_ENABLE), switch(ENV_CHAIN)
+    if enable and chain:
         raise DDTreeConfigError(f"ddtree-patch: {ENV_ENABLE}=1 and {ENV_CHAIN}=1 exclude each other "
                                 "(DDTree trees, or the chain-as-tree diagnostic)")
-    if _flag(ENV_ENABLE):
+    if enable:
         return f"mode=ddtree budget={budget_from_env()}"
-    if _flag(ENV_CHAIN):
+    if chain:
         return "mode=chain-as-tree"
     return "mode=off"
 
@@ -227,6 +199,34 @@ def _record(spec_config, where: str) -> dict:
     return record
 
 
+def v1_max_budget() -> int | None:
+    """The largest budget the V1 runner of the installed vLLM can verify: vLLM's V1 rejection
+    sampler asserts ``max_spec_len <= MAX_SPEC_LEN`` (128 in 0.20.0-0.33.0), and it verifies, in
+    the same steps as the walk and over the whole batch, every request the tree walk does not take
+    (sample logprobs, penalties, ..., a request drafted without a tree). None where the module or
+    the constant is absent."""
+    try:
+        from vllm.v1.sample import rejection_sampler
+    except ImportError:
+        return None
+    limit = getattr(rejection_sampler, "MAX_SPEC_LEN", None)
+    return int(limit) if isinstance(limit, int) else None
+
+
+def refuse_v1_budget(budget: int) -> None:
+    """At start (the V1 drafter's bind): a budget the V1 rejection sampler cannot take is refused
+    by name, with the largest one that works, instead of a bare AssertionError at the first step
+    that falls back to it."""
+    limit = v1_max_budget()
+    if limit is not None and budget > limit:
+        raise DDTreeConfigError(
+            f"ddtree-patch: {ENV_BUDGET}={budget} is refused on vLLM's V1 runner: its rejection sampler, "
+            f"which verifies the requests the tree walk does not take (sample logprobs, penalties, "
+            f"bad words, structured output, ...) over the whole batch in the same steps, takes at most "
+            f"MAX_SPEC_LEN = {limit} draft tokens per request (vllm/v1/sample/rejection_sampler.py). "
+            f"The largest budget on this runner is {limit}")
+
+
 # ---- the drafters ----------------------------------------------------------------------------
 def bind_v1(drafter: Any, runner: Any, *, ddtree_abi: int) -> "DDTreeDrafter":
     """``DFlashProposer.__init__`` (V1), right after ``super().__init__``: pin the drafter's
@@ -236,6 +236,7 @@ def bind_v1(drafter: Any, runner: Any, *, ddtree_abi: int) -> "DDTreeDrafter":
     if spec.method != "dflash":
         raise DDTreeConfigError(f"ddtree-patch: DDTree drafts with DFlash drafters only (method={spec.method!r})")
     record = _record(spec, type(drafter).__name__)
+    refuse_v1_budget(record["budget"])
     from .tree_step import refuse_uncovered_config
 
     refuse_uncovered_config(drafter.vllm_config)  # FULL graphs, KV connectors: before any capture
@@ -295,7 +296,7 @@ def bind_v2(speculator: Any, *, ddtree_abi: int) -> "DDTreeDrafter":
 
 def _use_kernel(dev) -> bool:
     """The Triton builder on CUDA, or on CPU tensors under TRITON_INTERPRET=1; else the reference."""
-    return dev.type == "cuda" or _flag("TRITON_INTERPRET")
+    return dev.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 class DDTreeDrafter:

@@ -37,10 +37,11 @@ import re
 import sys
 from pathlib import Path
 
+from ddtree_patcher.runtime.switches import ENV_ON_DRIFT, DDTreeConfigError, check_all, on_drift
+
 PATCH_ID = "tree-walk-hook"
 PROPOSER_ID = "ddtree-proposer"
 TREE_STEP_ID = "ddtree-tree-step"
-ENV_ON_DRIFT = "DDTREE_PATCH_ON_DRIFT"
 _ABI_RE = re.compile(rb'bind\(self, "V[12]", hook_abi=(\d+)\)')
 _DDTREE_ABI_RE = re.compile(rb'ddtree_abi=(\d+)\)')
 _TREE_STEP_ABI_RE = re.compile(rb'tree_step_abi=(\d+)\)')
@@ -152,10 +153,11 @@ def register() -> None:
     intact, reason = check(site)
     ver = _version(site) if site else "?"
     runner = _runner()
-    want = requested()
     try:
+        check_all()  # every DDTREE_PATCH_* value, whatever DDTREE_PATCH_ON_DRIFT says
+        want = requested()
         mode = ddtree.mode_line()
-    except ddtree.DDTreeConfigError as exc:
+    except DDTreeConfigError as exc:
         logger.error("ddtree-patch: DDTree NOT active: %s, runner=%s, vLLM %s", exc, runner, ver)
         raise
     if intact and want:
@@ -166,7 +168,7 @@ def register() -> None:
     else:
         line = f"ddtree-patch: hook NOT active: {reason}, runner={runner}, vLLM {ver}"
     if want and not intact:
-        if os.environ.get(ENV_ON_DRIFT, "").strip().lower() == "warn":
+        if on_drift() == "warn":
             logger.warning("%s (%s=warn: continuing with vLLM's chain sampler)", line, ENV_ON_DRIFT)
             return
         logger.error(line)
@@ -176,7 +178,7 @@ def register() -> None:
         ok, why = check(site, PROPOSER_ID)
         if not ok:
             line = f"ddtree-patch: DDTree drafting NOT active: {why}, runner={runner}, vLLM {ver}"
-            if os.environ.get(ENV_ON_DRIFT, "").strip().lower() == "warn":
+            if on_drift() == "warn":
                 logger.warning("%s (%s=warn: continuing; DFlash drafts chains)", line, ENV_ON_DRIFT)
                 return
             logger.error(line)

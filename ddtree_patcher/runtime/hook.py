@@ -67,9 +67,9 @@ import os
 import weakref
 from typing import Any, Sequence
 
+from .switches import ENV_CHAIN, ENV_ENABLE, switch
+
 HOOK_ABI = 2  # the call-site <-> runtime contract; bump on any incompatible change
-ENV_ENABLE = "DDTREE_PATCH_ENABLE"
-ENV_CHAIN = "DDTREE_PATCH_CHAIN_AS_TREE"
 RUNNERS = ("V1", "V2")
 
 logger = logging.getLogger("ddtree_patcher.runtime.hook")
@@ -114,17 +114,14 @@ class HookABIError(RuntimeError):
     pass
 
 
-def _flag(name: str) -> bool:
-    return os.environ.get(name, "0") not in ("", "0")
-
-
 def requested() -> bool:
-    """DDTree requested in this process (what the call site checks once per runner)."""
-    return _flag(ENV_ENABLE) or _flag(ENV_CHAIN)
+    """DDTree requested in this process (what the call site checks once per runner); a switch
+    value other than 0/1 raises ``DDTreeConfigError`` (:mod:`.switches`)."""
+    return switch(ENV_ENABLE) | switch(ENV_CHAIN)  # both parsed: a bad value is refused either way
 
 
 def chain_as_tree() -> bool:
-    return _flag(ENV_CHAIN)
+    return switch(ENV_CHAIN)
 
 
 def check_abi(hook_abi: int) -> None:
@@ -139,6 +136,7 @@ def check_abi(hook_abi: int) -> None:
 def bind(runner: Any, kind: str, *, hook_abi: int) -> "TreeStep":
     """Called by the patched call site once per runner when DDTree is requested."""
     check_abi(hook_abi)
+    requested()  # the call site's gate lets any value but "" and "0" through: refuse a bad one by name
     if kind not in RUNNERS:
         raise ValueError(f"ddtree-patch: unknown runner kind {kind!r}")
     step = runner.__dict__.get("ddtree_hook")
@@ -187,7 +185,7 @@ def upload_many(device, arrays) -> list:
 
 def _use_reference(dev) -> bool:
     """The Triton kernel on CUDA, or on CPU tensors under TRITON_INTERPRET=1; else the reference."""
-    return dev.type != "cuda" and not _flag("TRITON_INTERPRET")
+    return dev.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 
 
 class Routing:
@@ -215,7 +213,8 @@ class TreeStep:
             getattr(getattr(runner, "scheduler_config", None), "max_num_seqs", 256))
         self._att: list = []  # attached parent tensors of the pending trees
         self._where: dict[str, tuple[int, int]] = {}  # req id -> (attachment, row)
-        self._reason_cache: dict[str, str | None] = {}
+        # req id -> (the request's instance on the runner, its chain reason): see chain_reason
+        self._reason_cache: dict[str, tuple[Any, str | None]] = {}
         self.fallbacks: dict[str, int] = {}  # reason -> requests verified by the chain sampler
         self.tree_requests = 0  # requests verified by the tree walk
         self.engaged_steps = 0  # steps in which the walk ran
@@ -229,6 +228,7 @@ class TreeStep:
             from . import parity_v2
 
             parity_v2.watch_grammar(self)
+            parity_v2.watch_removals(self)
         _LIVE.add(self)
 
     # ---- persistent buffers ------------------------------------------------------------------
@@ -260,18 +260,44 @@ class TreeStep:
         return t
 
     # ---- the tree channel --------------------------------------------------------------------
+    def _instance(self, req_id: str):
+        """What the runner holds for the request now: V1 its ``CachedRequestState`` (a new object
+        for a new request, even under a reused id), V2 its state index (V2 removals evict the
+        cache: parity_v2.watch_removals); None when the runner holds nothing for it."""
+        if self.kind == "V1":
+            return getattr(self.runner, "requests", {}).get(req_id)
+        return getattr(getattr(self.runner, "req_states", None), "req_id_to_index", {}).get(req_id)
+
+    def _same(self, cached, now) -> bool:
+        return cached is now if self.kind == "V1" else (now is not None and cached == now)
+
     def chain_reason(self, req_id: str) -> str | None:
         """Why ``req_id`` must be verified by vLLM's chain sampler (a FALLBACK_REASONS key), or
-        None when the tree path reproduces its sampling semantics exactly. Host-only."""
-        if req_id in self._reason_cache:
-            return self._reason_cache[req_id]
+        None when the tree path reproduces its sampling semantics exactly. Host-only.
+
+        Cached per request instance: an entry counts only while the runner holds the same request
+        under that id (a finished request's id may be reused), and the cache is pruned to the
+        requests the runner holds whenever it reaches ``2 * max_num_reqs + 8`` entries, so a
+        server that has served millions of requests holds no more than that."""
+        now = self._instance(req_id)
+        hit = self._reason_cache.get(req_id)
+        if hit is not None and self._same(hit[0], now):
+            return hit[1]
         from . import parity_v1, parity_v2
 
         mod = parity_v1 if self.kind == "V1" else parity_v2
         reason = mod.runner_reason(self) or mod.request_reason(self, req_id)
         if reason != "unknown-request":
-            self._reason_cache[req_id] = reason
+            if len(self._reason_cache) >= 2 * self.max_num_reqs + 8:
+                self._prune()
+            self._reason_cache[req_id] = (now, reason)
         return reason
+
+    def _prune(self) -> None:
+        """Drop the cached decisions of requests the runner no longer holds (amortised: called when
+        the cache reaches its cap, which is twice the requests a step can hold)."""
+        self._reason_cache = {rid: hit for rid, hit in self._reason_cache.items()
+                              if self._same(hit[0], self._instance(rid))}
 
     def tree_ok(self, req_ids):
         """True where the request may be drafted as a tree (str -> bool, list -> list[bool])."""
@@ -280,9 +306,13 @@ class TreeStep:
         return [self.chain_reason(r) is None for r in req_ids]
 
     def forget(self, req_id: str) -> None:
-        """Drop cached decisions and a pending tree (a finished request's id may be reused)."""
+        """Drop cached decisions and a pending tree: the runner removed the request (finished or
+        preempted; V2 calls this from ``req_states.remove_request``, parity_v2.watch_removals)."""
         self._reason_cache.pop(req_id, None)
         self._where.pop(req_id, None)
+        seen = getattr(self, "_grammar_seen", None)
+        if seen is not None:
+            seen.discard(req_id)
 
     def attach(self, req_ids, parents) -> None:
         """Attach trees: ``parents[i]`` (local parents of nodes 1..n, 0 = root) is the tree of
@@ -379,9 +409,16 @@ class TreeStep:
         return src, idx, has
 
     # ---- routing (host) ------------------------------------------------------------------------
-    def route(self, req_ids: Sequence[str], num_draft: Sequence[int], step_reason: str | None) -> Routing:
+    def route(self, req_ids: Sequence[str], num_draft: Sequence[int], step_reason: str | None, *,
+              undrafted_walk: bool = True) -> Routing:
         """Decide per request (tree walk or vLLM's chain sampler) and consume the pending trees.
-        Raises TreeChannelError where an attached tree would reach the chain sampler."""
+        Raises TreeChannelError where an attached tree would reach the chain sampler.
+
+        A tree-ok request without draft tokens is walked only in a step that runs no chain sampler
+        and only where ``undrafted_walk`` (V1: the walk then draws its token with vLLM's own Sampler
+        and nothing else, exactly what vLLM's samplers draw for it; V2 passes False: the walk's
+        in-kernel noise is not V2's, so such a request always takes vLLM's sampler). Either way the
+        random stream of a seeded request never depends on the other requests of the batch."""
         import numpy as np
 
         B = len(num_draft)
@@ -429,7 +466,7 @@ class TreeStep:
         drafted = nd > 0
         walk_any = bool((tree & drafted).any())
         chain_any = any(reason is not None for reason in reasons)
-        tree[~drafted] &= walk_any and not chain_any
+        tree[~drafted] &= walk_any and not chain_any and undrafted_walk
         ro = Routing()
         ro.B, ro.num_draft, ro.tree, ro.reasons = B, nd, tree, reasons
         first = np.cumsum(nd) - nd  # each row's first flat draft index

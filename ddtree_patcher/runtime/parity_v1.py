@@ -25,9 +25,15 @@ configured vLLM rejects min-p and logit bias requests, ``SamplingParams._validat
 and ``build_logitsprocs`` builds only ``MinTokensLogitsProcessor``: both reach the step only at the
 sampler level, where the final-token Sampler call applies whatever processors are built.)
 
-Seeds: a walked request's coins and final-token noise come from its own generator; a seeded
-request verified by vLLM's sampler is drawn only by vLLM's rejection sampler (its generator
-advances exactly as upstream's).
+Seeds: a request's random stream is its own, whatever else is in the batch. A walked request's
+coins and noise come from its own generator (a request without draft tokens draws only its final
+token, with vLLM's Sampler: what vLLM's samplers draw for it, in a speculative step or not); a
+seeded request verified by vLLM's sampler is drawn only by vLLM's rejection sampler (its generator
+advances exactly as upstream's). In a mixed step vLLM's rejection sampler and the final-token
+Sampler call each sample every row of the batch: each is handed the generators of the rows it owns
+and a throwaway generator for every other seeded row (:func:`split_generators`), so no generator
+advances in the sampler that does not own its row, and each call sees as many generators as vLLM
+would (vLLM's CPU sampler ignores them all unless every row has one).
 """
 
 from __future__ import annotations
@@ -82,9 +88,9 @@ def params_reason(sp) -> str | None:
 
 def _bonus_metadata(sm, generators):
     """The batch's SamplingMetadata for the final-token Sampler call: no logprobs, no thinking
-    budget state updates (tree requests have none; chain requests' rows are discarded), only
-    the tree requests' generators (a chain request's seeded generator advances exactly as
-    upstream's: by vLLM's rejection sampler alone)."""
+    budget state updates (tree requests have none; chain requests' rows are discarded), the
+    tree requests' generators and throwaway ones for the seeded chain requests (a chain request's
+    seeded generator advances exactly as upstream's: by vLLM's rejection sampler alone)."""
     names = {f.name for f in fields(sm)}
     kw = {"max_num_logprobs": None, "generators": generators}
     if "logprob_token_ids" in names:
@@ -94,9 +100,30 @@ def _bonus_metadata(sm, generators):
     return replace(sm, **kw)
 
 
+def split_generators(generators: dict, owned) -> dict:
+    """The batch's generators for one of the two samplers of a mixed step: the rows ``owned(i)``
+    keep their own generator, every other seeded row gets a throwaway one (its output from this
+    sampler is discarded). A generator is never advanced by the sampler that does not own its row,
+    and the call sees as many generators as vLLM would: vLLM's CPU sampler (0.28:
+    ``TopKTopPSampler.forward_cpu``) honours per-request generators only when every row of the call
+    has one, and would otherwise draw every row, seeded or not, from the global generator."""
+    import torch
+
+    out = {}
+    for i, gen in generators.items():
+        if owned(i):
+            out[i] = gen
+        else:
+            out[i] = torch.Generator(device=gen.device)
+            out[i].manual_seed(0)
+    return out
+
+
 def randomness(generators, counts: np.ndarray, vocab: int, dev):
     """Coins (one per row, fp64) and 1/Exp(1) noise (one row per request) drawn like vLLM's
-    rejection sampler: the global generator, then each seeded tree request's own generator."""
+    rejection sampler: the global generator, then each seeded tree request's own generator, except
+    for requests without draft tokens (``counts`` 1: no coin or noise is read for them; like
+    vLLM's rejection sampler, draw nothing from their generator)."""
     import torch
 
     B = len(counts)
@@ -106,7 +133,7 @@ def randomness(generators, counts: np.ndarray, vocab: int, dev):
     if generators:
         starts = np.concatenate([[0], np.cumsum(counts)])
         for i, gen in generators.items():
-            if i < B:
+            if i < B and counts[i] > 1:
                 coins[int(starts[i]):int(starts[i + 1])].uniform_(generator=gen)
                 q[i].exponential_(generator=gen)
     return coins, q.reciprocal_()
@@ -136,8 +163,11 @@ def sample(step, metadata, draft_probs, logits, sm):
         return None
     rejection_sampler = runner.rejection_sampler
     chain_out = None
-    if not ro.tree.all():  # vLLM's own sampler for the chain requests (the whole batch)
-        chain_out = rejection_sampler(metadata, draft_probs, logits, sm)
+    if not ro.tree.all():  # vLLM's own sampler for the chain requests (the whole batch) ...
+        walked = [i for i in sm.generators if i < B and ro.tree[i]]
+        chain_sm = replace(sm, generators=split_generators(sm.generators, lambda i: not (i < B and ro.tree[i]))) \
+            if walked else sm
+        chain_out = rejection_sampler(metadata, draft_probs, logits, chain_sm)  # ... with their generators only
         step.chain_steps += 1
 
     parents, _, has_child, node_rows, root_rows, tree_mask = step.tree_tensors(ro, depths=False)
@@ -145,6 +175,7 @@ def sample(step, metadata, draft_probs, logits, sm):
     W = int(metadata.max_spec_len) + 1
     counts = ro.num_draft + 1
     tree_gens = {i: g for i, g in sm.generators.items() if i < B and ro.tree[i]}
+    bonus_gens = split_generators(sm.generators, lambda i: i < B and ro.tree[i])  # the final-token Sampler call
     if sm.all_greedy and sm.allowed_token_ids_mask is None:
         x = logits  # argmax of the logits as they are (a float32 copy would pick the same ids)
     else:
@@ -178,7 +209,7 @@ def sample(step, metadata, draft_probs, logits, sm):
     col = num_acc.to(torch.int64).unsqueeze(1)
     final_rows = rows.to(torch.int64).gather(1, col).squeeze(1)
     is_leaf = ~has_child[final_rows]
-    bonus = rejection_sampler.sampler(logits=logits[final_rows], sampling_metadata=_bonus_metadata(sm, tree_gens),
+    bonus = rejection_sampler.sampler(logits=logits[final_rows], sampling_metadata=_bonus_metadata(sm, bonus_gens),
                                       predict_bonus_token=True).sampled_token_ids.view(-1)
     out.scatter_(1, col, torch.where(is_leaf, bonus.to(out.dtype), out.gather(1, col).squeeze(1)).unsqueeze(1))
 

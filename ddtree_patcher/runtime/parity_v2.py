@@ -70,6 +70,24 @@ def watch_grammar(step) -> None:
     worker.apply_grammar_bitmask = apply_grammar_bitmask
 
 
+def watch_removals(step) -> None:
+    """Forget a request when the runner removes it (finished or preempted: ``_remove_request`` calls
+    ``req_states.remove_request``): its cached decision, a pending tree, its grammar mark (a resumed
+    request's grammar bitmask is applied again, and seen, in its first sampling step). Wraps the
+    instance attribute, as watch_grammar does; without it the cache's cap still bounds it."""
+    states = getattr(step.runner, "req_states", None)
+    fn = getattr(states, "remove_request", None)
+    if fn is None or getattr(fn, "_ddtree_watch", False):
+        return
+
+    def remove_request(req_id, *args, **kwargs):
+        step.forget(req_id)
+        return fn(req_id, *args, **kwargs)
+
+    remove_request._ddtree_watch = True
+    states.remove_request = remove_request
+
+
 def runner_reason(step) -> str | None:
     runner = step.runner
     rs = getattr(runner, "rejection_sampler", None)
@@ -160,7 +178,7 @@ def sample(step, logits, ib, draft_logits=None, invalid_drafts=None):
     if reason is not None:
         step.all_chain(req_ids, [int(x) for x in num_draft.clip(0)], reason)
         return None
-    ro = step.route(req_ids, [int(x) for x in num_draft], None)
+    ro = step.route(req_ids, [int(x) for x in num_draft], None, undrafted_walk=False)
     step.account(ro)
     if not ro.tree.any():
         step.engaged = False

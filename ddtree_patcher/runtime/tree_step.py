@@ -60,12 +60,12 @@ import logging
 import os
 from pathlib import Path
 
+from .switches import ENV_ENABLE, ENV_TREE_STREAM, switch  # TREE_STREAM=0: no second stream for the tree pass in FULL graphs (A/B)
+
 TREE_STEP_ABI = 4  # the call-site <-> runtime contract; bump on any incompatible change
 # (2: the FlashAttention site moved before the forward's causal call and returns when
 # fa_attention() handled the layer; 3: a capture_model site binds the tree step before CUDA graph
 # capture, for FULL decode graphs; 4: the V2 runner's sites, check_v2_runner instead of refuse_v2)
-ENV_ENABLE = "DDTREE_PATCH_ENABLE"
-ENV_TREE_STREAM = "DDTREE_PATCH_TREE_STREAM"  # "0": no second stream for the tree pass in FULL graphs (A/B)
 # The second stream pays where FA3's context pass leaves the GPU idle: measured on the H200 (Qwen3-8B
 # attention shape, ctx 1K, in-graph): B = 1 saves 3-4.5 µs per layer, B = 8 is within +-1 µs, B = 32
 # loses 2-9 µs (the context pass fills the GPU; the extra merge launch remains). FULL graphs are
@@ -313,7 +313,7 @@ class TargetTreeStep:
                 raise _not_ready(f"FULL CUDA graphs for decode batches on {self.backend} (the tree step captures "
                                  "FlashAttention 3's path only): use PIECEWISE or enforce_eager=True")
             self._init_graph_buffers(runner)
-            if os.environ.get(ENV_TREE_STREAM, "1") != "0":
+            if switch(ENV_TREE_STREAM):
                 self.side_stream = torch.cuda.Stream(device=self.device)
         self.compactors = None
         if self.cuda:  # one Triton launch per group and step, pointer tables built once here

@@ -162,7 +162,8 @@ def main() -> None:
             from ddtree_patcher.runtime import hook, tree_step
 
             res["hook"] = [{"kind": o.kind, "runner": type(o.runner).__name__, "engaged_steps": o.engaged_steps,
-                            "tree_requests": o.tree_requests, "chain_steps": o.chain_steps, "fallbacks": o.fallbacks}
+                            "tree_requests": o.tree_requests, "chain_steps": o.chain_steps, "fallbacks": o.fallbacks,
+                            "reason_cache": len(o._reason_cache), "max_num_reqs": o.max_num_reqs}
                            for o in hook.live_steps()]
             res["tree_step"] = [tree_step.live(o.runner).counters() for o in hook.live_steps()
                                 if tree_step.live(o.runner) is not None]

@@ -12,6 +12,10 @@ by the runner). No vLLM import: the tests read ``MIXED`` to know which requests 
   vLLM's chain sampler verifies in the same steps.
 * ``sampled``: ``n_prompts`` copies of one short prompt, temperature 1.0 (no top-k / top-p),
   ``max_tokens`` each, request ``i`` seeded ``seed_base + i``.
+* ``seeded`` (issue 33): the first ``n_prompts`` of ``SEEDED``: a seeded temperature-1 request, then
+  a seeded neighbour with a repetition penalty (chain-routed).
+* ``with_logprobs`` (issue 33): the first ``n_prompts`` of ``WITH_LOGPROBS``: greedy requests, the
+  second asking for sample logprobs (chain-routed).
 """
 from __future__ import annotations
 
@@ -37,6 +41,14 @@ MIXED = [
     (PREFIX_A + _ids(50, 20), 44, {}, None),
 ]
 SAMPLED_PROMPT = [5, 17, 29, 41, 53, 65]
+# issue 33: a seeded sampled request (the tree walk takes it) and, with n_prompts 2, a seeded neighbour
+# with a repetition penalty (vLLM's chain sampler takes it, in the same steps)
+SEEDED = [(_ids(9, 30), dict(temperature=1.0, seed=11)),
+          (_ids(12, 31), dict(temperature=1.0, seed=5, repetition_penalty=1.3))]
+# issue 33: greedy requests beside one asking for sample logprobs (vLLM's rejection sampler verifies it
+# over the whole batch in the same steps); the ``basic`` prompts 0..2 (the tiny target has no near-tie on them)
+WITH_LOGPROBS = [([(7 * j + 3 * i) % 997 + 2 for j in range(8 + 5 * i)],
+                  dict(temperature=0.0, **({"logprobs": 1} if i == 1 else {}))) for i in range(3)]
 
 
 def requests(scenario: str, n_prompts: int = 4, max_tokens: int = 32, logprobs: int = 0,
@@ -51,4 +63,7 @@ def requests(scenario: str, n_prompts: int = 4, max_tokens: int = 32, logprobs: 
     if scenario == "sampled":
         return ([list(SAMPLED_PROMPT) for _ in range(n_prompts)],
                 [dict(max_tokens=max_tokens, temperature=1.0, seed=seed_base + i) for i in range(n_prompts)])
+    if scenario in ("seeded", "with_logprobs"):
+        chosen = (SEEDED if scenario == "seeded" else WITH_LOGPROBS)[:n_prompts]
+        return [list(p) for p, _ in chosen], [dict(max_tokens=max_tokens, **kw) for _, kw in chosen]
     raise ValueError(f"unknown SCENARIO {scenario!r}")
