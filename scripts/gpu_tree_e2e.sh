@@ -40,6 +40,9 @@ MIX="SCENARIO=mixed PREFIX_CACHING=1 BLOCK_SIZE=32 MAX_NUM_SEQS=4 MAX_MODEL_LEN=
 # test's statistics: tests/patches/test_ddtree_e2e.py)
 SAMPLED="SCENARIO=sampled N_PROMPTS=10000 MAX_TOKENS=3 MAX_NUM_SEQS=256 MAX_BATCHED_TOKENS=16384"
 V2="VLLM_USE_V2_MODEL_RUNNER=1"  # the V2 runner's tree step (vLLM 0.26.0's shape; tree-step ABI 4)
+# issue 33: a seeded temperature-1 request alone (sd1*) and beside a seeded repetition_penalty request that
+# vLLM's chain sampler verifies in the same steps (sd2*): its tokens must be the same both times
+SEEDED="SCENARIO=seeded MAX_TOKENS=32"
 #        tag          env
 ENGINES=("nospec        SPEC=0 EAGER=1 LOGPROBS=2"
          "dd-eager      SPEC=1 EAGER=1 DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1"
@@ -63,7 +66,11 @@ ENGINES=("nospec        SPEC=0 EAGER=1 LOGPROBS=2"
          "s-nospec         SPEC=0 EAGER=0 CG_MODE=FULL_AND_PIECEWISE SEED_BASE=0 $SAMPLED"
          "s-dd             SPEC=1 EAGER=0 CG_MODE=FULL_AND_PIECEWISE SEED_BASE=1000000 DDTREE_PATCH_ENABLE=1 $SAMPLED"
          "s-nospec-v2      $V2 SPEC=0 EAGER=0 CG_MODE=FULL_AND_PIECEWISE SEED_BASE=0 $SAMPLED"
-         "s-dd-v2          $V2 SPEC=1 EAGER=0 CG_MODE=FULL_AND_PIECEWISE SEED_BASE=1000000 DDTREE_PATCH_ENABLE=1 $SAMPLED")
+         "s-dd-v2          $V2 SPEC=1 EAGER=0 CG_MODE=FULL_AND_PIECEWISE SEED_BASE=1000000 DDTREE_PATCH_ENABLE=1 $SAMPLED"
+         "sd1              SPEC=1 EAGER=0 CG_MODE=FULL_AND_PIECEWISE DDTREE_PATCH_ENABLE=1 $SEEDED N_PROMPTS=1"
+         "sd2              SPEC=1 EAGER=0 CG_MODE=FULL_AND_PIECEWISE DDTREE_PATCH_ENABLE=1 $SEEDED N_PROMPTS=2"
+         "sd1-v2           $V2 SPEC=1 EAGER=0 CG_MODE=FULL_AND_PIECEWISE DDTREE_PATCH_ENABLE=1 $SEEDED N_PROMPTS=1"
+         "sd2-v2           $V2 SPEC=1 EAGER=0 CG_MODE=FULL_AND_PIECEWISE DDTREE_PATCH_ENABLE=1 $SEEDED N_PROMPTS=2")
 
 . "$REPO/scripts/_gpu_bundle.sh"
 
@@ -177,6 +184,18 @@ for ref_tag, dd_tag in (("s-nospec", "s-dd"), ("s-nospec-v2", "s-dd-v2")):  # sa
                       for name, t in tests.items()))
     if not (sampled_ok(tests) and ts.get("tree_steps") and ts.get("moved_rows")):
         bad.append(dd_tag + " (distribution)")
+for one, two in (("sd1", "sd2"), ("sd1-v2", "sd2-v2")):  # issue 33: a seeded request's tokens are its own
+    a, b = res.get(one), res.get(two)
+    if not (a and b and a.get("ok") and b.get("ok")):
+        continue
+    hk = (b.get("hook") or [{}])[0] if isinstance(b.get("hook"), list) else {}
+    same = a["tokens"][0] == b["tokens"][0]
+    summary[two] = dict(vs=one, seeded_same=same, alone=a["tokens"][0], beside=b["tokens"][0],
+                        fallbacks=hk.get("fallbacks"), engaged_steps=hk.get("engaged_steps"))
+    print(f"{two} vs {one}: seeded request {'identical' if same else 'DIFFERS'} alone and beside a penalties "
+          f"request ({len(a['tokens'][0])} tokens; walk steps {hk.get('engaged_steps')}, fallbacks {hk.get('fallbacks')})")
+    if not same or not hk.get("engaged_steps"):
+        bad.append(two + " (seeded parity)")
 json.dump({"engines": res, "summary": summary, "tie_nats": TIE}, open(out + "/tree_e2e.json", "w"), indent=1)
 print("TREE-E2E", ("FAIL " + ",".join(bad)) if bad else "ok", f"({len(res)} engines; divergences allowed only at "
       f"no-spec near-ties < {TIE} nats resolved to the runner-up)")
