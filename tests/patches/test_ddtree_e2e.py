@@ -278,7 +278,9 @@ def test_step_benchmark_runs_on_cpu(e2e, tmp_path):
             proc = subprocess.run([python, bench, "engine", "--root", str(ck), "--shape", "tiny", "--depth", "3",
                                    "--batch", "1", "2", "--ctx", "40", "--tokens", "6", "--cg", "eager",
                                    "--dtype", "float32", "--load-format", "auto", *args], stdout=fh, stderr=subprocess.STDOUT, env=e,
-                                  timeout=600)
+                                  timeout=600, cwd=str(tmp_path))  # not the repository root: vLLM's `python -m`
+            # model-inspection subprocess puts its cwd first on sys.path, where this repository's kernels/ would
+            # shadow the `kernels` package that transformers imports when it finds one
         assert proc.returncode == 0, log.read_text()[-6000:]
         logs.append(str(log))
     out = tmp_path / "perf.json"
