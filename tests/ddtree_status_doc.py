@@ -75,14 +75,20 @@ def _tree_step():
 
 
 def _site_code() -> list[tuple[str, object, str]]:
-    """(file, site, the code the patch inserts there) for every site of ddtree-tree-step."""
+    """(file, site, the code the patch inserts there) for every site of every ddtree-tree-step variant
+    (the code by the module's naming: ``X_SITE[_suffix]`` inserts ``X_CODE[_suffix]``, else ``X_CODE``;
+    the V2 capture site inserts the V1 capture code)."""
     ts = _tree_step()
+    names = {id(v): n for n, v in vars(ts).items() if "_SITE" in n}
     out = []
     for pf in ts.PATCH.files:
         for variant in pf.variants:
             for site in variant.sites:
-                name = next(n for n, v in vars(ts).items() if n.endswith("_SITE") and v is site)
-                code = getattr(ts, name[:-5] + "_CODE", None) or getattr(ts, name[:-5].replace("V2_", "") + "_CODE")
+                name = names.get(id(site), "")
+                head, _, tail = name.partition("_SITE")
+                code = next((getattr(ts, c) for c in (f"{head}_CODE{tail}", f"{head}_CODE",
+                                                      f"{head.replace('V2_', '')}_CODE")
+                             if isinstance(getattr(ts, c, None), str)), ts.MARK + "\n")
                 out.append((pf.path, site, code))
     return out
 
@@ -102,15 +108,19 @@ def installed_sites(entry: dict) -> dict[str, list]:
 
 
 def has_tree_step(entry: dict, runner: str, gpu: bool) -> bool:
+    """Whether ``apply`` installs every call site the tree step needs for this runner and device
+    (by the sites' functions: a release-specific variant of a site counts as that site)."""
     ts = _tree_step()
     sites = installed_sites(entry)
-    attn = ts.FA_SITE if gpu else ts.ATTN_SITE
-    if attn not in sites.get(ts.FLASH_ATTN_PY if gpu else ts.CPU_ATTN_PY, []):
+
+    def has(rel: str, *functions: str) -> bool:
+        return all(any(s.function == fn for s in sites.get(rel, [])) for fn in functions)
+
+    if not (has(ts.FLASH_ATTN_PY, ts.FA_FN) if gpu else has(ts.CPU_ATTN_PY, ts.ATTN_FN)):
         return False
     if runner == "V1":
-        return all(s in sites.get(ts.RUNNER_PY, []) for s in (ts.PREP_SITE, ts.CAPTURE_SITE, ts.DRAFT_SITE))
-    return (all(s in sites.get(ts.RUNNER_V2_PY, []) for s in (ts.V2_SITE, ts.V2_PREP_SITE, ts.V2_CAPTURE_SITE))
-            and ts.V2_PROPOSE_SITE in sites.get(ts.DFLASH_V2_PY, []))
+        return has(ts.RUNNER_PY, ts.PREP_FN, ts.CAPTURE_FN, ts.DRAFT_FN)
+    return has(ts.RUNNER_V2_PY, ts.V2_INIT_FN, ts.V2_EXEC_FN, ts.V2_CAPTURE_FN) and has(ts.DFLASH_V2_PY, ts.V2_PROPOSE_FN)
 
 
 _PROBE = r"""

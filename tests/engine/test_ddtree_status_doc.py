@@ -77,3 +77,32 @@ def test_new_h200_records_are_read_by_release_and_runner(tmp_path, monkeypatch):
     monkeypatch.setattr(gen, "RUNS", tmp_path)
     assert gen.gpu_runs() == {("0.34.0", "V2"): [("2030-02-01", "h200-v2-0.34.0-2030-02-01.json", True,
                                                   "FULL_AND_PIECEWISE", "dd-v2")]}
+
+
+def _slug(heading: str) -> str:
+    import re
+
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_reference_and_notebook_links_resolve():
+    """docs/ddtree.md, tree-step.md, tree-builder.md and their lab notebooks (docs/notebook/): every
+    relative link names a file that exists, and every #anchor a heading of that file."""
+    import re
+
+    docs = gen.REPO / "docs"
+    pages = [docs / "ddtree.md", docs / "tree-step.md", docs / "tree-builder.md", *sorted((docs / "notebook").glob("*.md"))]
+    bad = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if target.startswith(("http://", "https://", "mailto:")):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            if not dest.exists():
+                bad.append(f"{page.relative_to(gen.REPO)}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md":
+                slugs = {_slug(h) for h in re.findall(r"^#+ (.*)$", dest.read_text(), re.M)}
+                if anchor not in slugs:
+                    bad.append(f"{page.relative_to(gen.REPO)}: {target} (no such heading)")
+    assert not bad, "\n".join(bad)
