@@ -195,6 +195,12 @@ def _aux_hidden_if():
     return m.If(test=m.Name("aux_hidden_states"))
 
 
+def _num_target_tokens_assign():
+    """``num_target_tokens = input_batch.num_tokens`` (V2 ``DFlashSpeculator.propose``, 0.33.0)."""
+    return m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(target=m.Name("num_target_tokens"))],
+                                                value=m.Attribute(value=m.Name("input_batch"), attr=m.Name("num_tokens")))])
+
+
 def _cpu_attention_call():
     """``ops.cpu_attention_with_kv_cache(...)`` on its own line."""
     return m.SimpleStatementLine(body=[m.Expr(value=m.Call(func=m.Attribute(
@@ -246,11 +252,43 @@ SHAPES_FA = {FA_FN: frozenset({"3b778af91817"})}
 SHAPES_V2 = {V2_INIT_FN: frozenset({"5eb8745908c3", "64decbbe25fb", "985cd6418357", "3901c0925860",
                                     "7d6ed7d525a8", "8a67288a4ece", "327214791da3", "4bb24b825950", "fd6b1969ce61",
                                     "7aad2fa08ff5"})}
-# The V2 tree step, vLLM 0.26.0's shapes (the FlashAttention 3 site's release; proven on the H200):
-# execute_model 72b49e826b2c (0.25.0 too) and capture_model dc71e941b359 (0.27.0 too) together
-# select 0.26.0 only; DFlashSpeculator.propose 229059791180 is 0.26.0's alone.
-SHAPES_V2_STEP = {V2_EXEC_FN: frozenset({"72b49e826b2c"}), V2_CAPTURE_FN: frozenset({"dc71e941b359"})}
-SHAPES_V2_PROPOSE = {V2_PROPOSE_FN: frozenset({"229059791180"})}
+# The V2 tree step's sites, per release (0.26.0 proven on the H200 with FlashAttention 3; 0.26.0-0.33.0
+# on CPU, CPU_ATTN, by tests/patches/test_ddtree_v2.py): execute_model / capture_model /
+# DFlashSpeculator.propose. What the runtime relies on there is unchanged in 0.27.0-0.33.0: positions,
+# then slots from them in ``prepare_attn`` (the anchor), the forward after; ``input_batch`` carries
+# req_ids, num_reqs, num_tokens, num_scheduled_tokens, cu_num_logits_np and positions; propose reads
+# the drafter's context from ``aux_hidden_states`` (else ``last_hidden_states``) and
+# ``input_batch.positions`` after the anchor. What changed around them: 0.27.0 re-stages FULL graphs'
+# metadata at capture (``for_capture``); 0.28.0's DFlash input kernel writes context KV only for the
+# valid (accepted) rows and clamps seq_lens at max_model_len; 0.29.0 adds context parallelism (DCP:
+# refused by the tree step's config check); 0.33.0 adds micro-batching, varlen decode graphs,
+# prefill context parallelism and ``skip_drafts`` (refused where they change the step's shape: see
+# runtime.tree_step.refuse_uncovered_config).
+SHAPES_V2_STEP = {V2_EXEC_FN: frozenset({"72b49e826b2c",  # 0.25.0-0.26.0
+                                         "285cde428e02",  # 0.27.0
+                                         "a1e81bbe56a9",  # 0.28.0
+                                         "7d11f3574a4c",  # 0.29.0
+                                         "16b8dd942526",  # 0.30.0
+                                         "aa512038f575",  # 0.31.0
+                                         "9f18ba6d27f2",  # 0.32.0
+                                         "d1cc221eb865"}),  # 0.33.0
+                  V2_CAPTURE_FN: frozenset({"dc71e941b359",  # 0.26.0-0.27.0
+                                            "751462f2f9b7",  # 0.28.0
+                                            "7944fd8367af",  # 0.29.0
+                                            "353c46a66097",  # 0.30.0-0.31.0
+                                            "49f4aa5e50e4",  # 0.32.0
+                                            "4613546c300e"})}  # 0.33.0
+SHAPES_V2_PROPOSE = {V2_PROPOSE_FN: frozenset({"229059791180",  # 0.26.0
+                                               "bef1b7332bca",  # 0.27.0-0.28.0
+                                               "328283d3d943",  # 0.29.0
+                                               "812224b38d74",  # 0.30.0
+                                               "334eed384d78",  # 0.31.0
+                                               "fc1b75a047ae"})}  # 0.32.0
+# 0.33.0 moved the combine of the aux hidden states out of ``propose`` into ``_store_hidden_states``, which
+# each of its paths calls (the profile run, the no-draft step, eager/PIECEWISE, the FULL draft graph's
+# replay) after the DFlash inputs are prepared from ``input_batch.positions``: the site is right after
+# ``num_target_tokens = input_batch.num_tokens``, before any of them
+SHAPES_V2_PROPOSE_033 = {V2_PROPOSE_FN: frozenset({"00923ec00b91"})}  # 0.33.0
 # the V2 runner variant's shapes on all its releases (0.24.0-0.33.0: the construction check runs on
 # each; the tree-step sites select 0.26.0 through SHAPES_V2_STEP)
 SHAPES_V2_ALL = {**SHAPES_V2, V2_EXEC_FN: frozenset({"72b49e826b2c", "285cde428e02", "a1e81bbe56a9", "7d11f3574a4c",
@@ -309,13 +347,23 @@ V2_PREP_SITE = Site(function=V2_EXEC_FN, anchor="`block_tables, slot_mappings = 
 V2_CAPTURE_SITE = _capture_site(V2_CAPTURE_FN, SHAPES_V2_STEP, " (V2)")
 V2_PROPOSE_SITE = Site(function=V2_PROPOSE_FN, anchor="`if aux_hidden_states:` (V2 DFlashSpeculator.propose)",
                        unfixed=_aux_hidden_if, rewrite=insert_statements(_aux_hidden_if, V2_PROPOSE_CODE, after=False),
-                       applies=_shape_is(SHAPES_V2_PROPOSE))
+                       # 0.33.0's shape too: its anchor is absent there, so this variant does not claim the
+                       # file and the v2-dflash-0.33 variant (V2_PROPOSE_SITE_033) is tried next
+                       applies=_shape_is({V2_PROPOSE_FN: SHAPES_V2_PROPOSE[V2_PROPOSE_FN]
+                                          | SHAPES_V2_PROPOSE_033[V2_PROPOSE_FN]}))
+
+V2_PROPOSE_SITE_033 = Site(function=V2_PROPOSE_FN,
+                           anchor="`num_target_tokens = input_batch.num_tokens` (V2 DFlashSpeculator.propose, 0.33.0)",
+                           unfixed=_num_target_tokens_assign,
+                           rewrite=insert_statements(_num_target_tokens_assign, V2_PROPOSE_CODE, after=True),
+                           applies=_shape_is(SHAPES_V2_PROPOSE_033))
 
 ON_CPU = ("0.24.0", "0.25.0", "0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")
 ON_RUNNER = ("0.24.0", "0.25.0", "0.26.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")
 ON_FA = ("0.26.0",)
 ON_V2 = ("0.24.0", "0.25.0", "0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")
-ON_V2_STEP = ("0.26.0",)
+ON_V2_STEP = ("0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")
+ON_V2_PROPOSE = ON_V2_STEP[:-1]  # 0.26.0-0.32.0; 0.33.0: V2_PROPOSE_SITE_033
 
 
 # the call sites import ddtree_patcher.runtime.tree_step in vLLM's interpreter
@@ -343,6 +391,7 @@ PATCH = Patch(
         PatchFile(path=RUNNER_V2_PY, optional=True,
                   variants=(Variant("v2", ON_V2, (V2_SITE, V2_PREP_SITE, V2_CAPTURE_SITE), SHAPES_V2_ALL),)),
         PatchFile(path=DFLASH_V2_PY, optional=True,
-                  variants=(Variant("v2-dflash-0.26", ON_V2_STEP, (V2_PROPOSE_SITE,), SHAPES_V2_PROPOSE),)),
+                  variants=(Variant("v2-dflash-0.26", ON_V2_PROPOSE, (V2_PROPOSE_SITE,), SHAPES_V2_PROPOSE),
+                            Variant("v2-dflash-0.33", ("0.33.0",), (V2_PROPOSE_SITE_033,), SHAPES_V2_PROPOSE_033))),
     ),
 )

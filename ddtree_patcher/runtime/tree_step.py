@@ -34,7 +34,7 @@ right for that tree:
    (``hidden[root + d] = hidden[root + j_d]``) and the tree rows' positions linear again, so
    DFlash sees the accepted path and its context-KV writes land on distinct slots.
 
-The V2 runner (vLLM 0.26.0's shape) runs the same four pieces from its own sites:
+The V2 runner (vLLM 0.26.0-0.33.0's shapes) runs the same four pieces from its own sites:
 :meth:`TargetTreeStep.prepare_v2` in ``execute_model`` right after ``prepare_attn`` (slots from
 linear positions; positions are ``input_batch.positions``, the FULL graphs' input buffer), the
 same attention and the same compaction (the slots are the step's ``slot_mappings``, read before
@@ -44,7 +44,7 @@ of ``DFlashSpeculator.propose`` (the aux hidden states along the accepted path, 
 Start-up (:func:`bind`: at ``capture_model`` through :func:`before_capture` when CUDA graphs are
 captured, else at the runner's first ``_prepare_inputs`` / ``execute_model``, with
 ``DDTREE_PATCH_ENABLE`` set) refuses by name (``DDTreeNotReady``) what the tree step does not
-cover: a V2 runner without the V2 sites (every V2 shape but 0.26.0's: :func:`check_v2_runner`),
+cover: a V2 runner without the V2 sites (0.24.0, 0.25.0: :func:`check_v2_runner`),
 an attention backend other than CPU_ATTN / FlashAttention 3 (with this patch's forward site),
 FULL CUDA graphs of mixed batches (``cudagraph_mode`` FULL; FULL decode graphs are captured with
 the tree attention on persistent mask buffers, every uniform decode step a tree step: see
@@ -146,13 +146,13 @@ def not_installed_reason(gpu: bool | None = None) -> str | None:
     if MARK.encode() not in data:
         return (f"the ddtree-tree-step patch is not applied to this vLLM ({root / runner_py} has no call "
                 "site; it applies to the V1 runner of the vLLM 0.24.0-0.33.0 code shapes and the V2 runner of "
-                "the 0.26.0 shape: `ddtree-patch verify`)")
+                "the 0.26.0-0.33.0 shapes: `ddtree-patch verify`)")
     if want not in data:
         return (f"{root / runner_py}: the ddtree-tree-step call sites speak another ABI than the installed "
                 f"runtime ({TREE_STEP_ABI}): `ddtree-patch revert && ddtree-patch apply`")
     if v2 and V2_PREP_CALL.encode() not in data:
         return (f"VLLM_USE_V2_MODEL_RUNNER=1: the V2 runner of this vLLM ({root / runner_py}) has no tree step "
-                "(its sites are written for vLLM 0.26.0's V2 runner): set VLLM_USE_V2_MODEL_RUNNER=0")
+                "(its sites are written for the V2 runner of vLLM 0.26.0-0.33.0): set VLLM_USE_V2_MODEL_RUNNER=0")
     gpu = _gpu_platform() if gpu is None else gpu
     for rel in (FLASH_ATTN_PY,) if gpu else ATTN_FILES:  # the backend actually used is checked when the runner binds
         try:
@@ -179,7 +179,7 @@ def _has_site(fn) -> bool:
 
 def check_v2_runner(runner, *, tree_step_abi: int) -> None:
     """The V2 runner's ``__init__`` with a speculative config built for DDTree: this runner must
-    carry the V2 tree-step sites (``execute_model``: vLLM 0.26.0's shape), else refused by name
+    carry the V2 tree-step sites (``execute_model``: the shapes of vLLM 0.26.0-0.33.0), else refused by name
     (vLLM may pick V2 for DFlash by default); engine options the tree step does not cover (FULL
     graphs of mixed batches, KV connectors) are refused here, before any capture."""
     check_abi(tree_step_abi)
@@ -191,8 +191,8 @@ def check_v2_runner(runner, *, tree_step_abi: int) -> None:
         src = ""
     if MARK not in src or V2_PREP_CALL not in src:  # the execute_model site (V2_PREP_CODE)
         raise _not_ready(f"the V2 model runner of this vLLM ({type(runner).__module__}; vLLM picked it, or "
-                         "VLLM_USE_V2_MODEL_RUNNER=1): its tree-step sites are written for vLLM 0.26.0's V2 runner "
-                         "only; set VLLM_USE_V2_MODEL_RUNNER=0 (the V1 runner: 0.24.0-0.33.0)")
+                         "VLLM_USE_V2_MODEL_RUNNER=1): its tree-step sites are written for the V2 runner of vLLM "
+                         "0.26.0-0.33.0 only; set VLLM_USE_V2_MODEL_RUNNER=0 (the V1 runner: 0.24.0-0.33.0)")
     refuse_uncovered_config(getattr(runner, "vllm_config", None))
 
 
@@ -303,7 +303,7 @@ class TargetTreeStep:
             spec = getattr(runner, "speculator", None)
             if spec is None or not _has_site(type(spec).propose):
                 raise _not_ready(f"V2 speculator {type(spec).__name__} without the tree step's propose site "
-                                 "(DFlashSpeculator of vLLM 0.26.0's shape)")
+                                 "(DFlashSpeculator of vLLM 0.26.0-0.33.0)")
             self.speculator = spec
         self._init_state()
         self.groups = self._bind_layers(runner)  # [(gid, [K/V views (nb, bs, H, X)])]

