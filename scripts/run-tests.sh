@@ -5,6 +5,9 @@
 # into $DDTREE_PATCH_CACHE (default ~/.cache/ddtree-patch) on first use and reused afterwards.
 # Two test processes by default (pytest-xdist, whole files per process: most tests leave a core
 # idle); DDTREE_TEST_WORKERS=N sets the number, 0 runs everything in this process.
+#   --fast (first argument): the fast tier only (pytest -m fast: no vLLM engine, no torch 2.11.0
+#   environment, no real vLLM run; tests/conftest.py TIERS, docs/testing.md). Other arguments pass
+#   through to pytest; narrow the tier with -k or a path (a second -m would replace `fast`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -15,6 +18,11 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check -r tests/requirements.txt
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps --force-reinstall .
+
+if [ "${1:-}" = "--fast" ]; then
+    shift
+    set -- -m fast "$@"
+fi
 
 export CUDA_VISIBLE_DEVICES=""  # the Triton interpreter and vLLM's CPU paths (tests/kernels set TRITON_INTERPRET)
 set +e
