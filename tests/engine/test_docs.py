@@ -128,3 +128,183 @@ def test_fleet_doc_documents_the_json_schema_and_the_role_variables():
     for var in re.findall(r"^(\w+):", defaults, re.M):
         assert f"| `{var}` |" in text, f"docs/fleet.md does not document the role variable {var}"
     assert "unclaimed" in text and "Never `pip install ddtree-patch` from the public index" in text
+
+
+# ---- README.md: the operator's first screen; docs/testing.md (issue 39.6-7) -------------------
+
+README = REPO / "README.md"
+TESTING = REPO / "docs" / "testing.md"
+
+
+def test_readme_first_screen_is_the_operators_job():
+    """A new operator gets from the README's first screen to a patched, verified, restarted vLLM:
+    install (never the bare name from the public index), apply, verify and the restart reminder
+    are all within its first 60 lines, and the exit codes are named there."""
+    import re
+
+    head = "\n".join(README.read_text().splitlines()[:60])
+    assert re.search(r"^/\S+/pip install \S+\.whl$", head, re.M), "no install of a wheel built from this repository"
+    assert re.search(r"pip install 'git\+https://[^']+\.git@<commit sha>'", head), "no install from a VCS URL pinned to a commit"
+    assert "Never `pip install ddtree-patch` from the public index" in head
+    for command in ("apply", "verify", "revert"):
+        assert re.search(rf"^ddtree-patch {command} +--python ", head, re.M), f"no `ddtree-patch {command} --python`"
+    assert "--vllm-path" in head and "--json" in head
+    assert re.search(r"^\S.*\brestart\b.*#.*RESTART", head, re.M), "no restart step after apply/verify"
+    assert "restart_required" in head
+    for code in range(7):
+        assert re.search(rf"\b{code} ", head[head.index("**Exit codes**"):]), f"exit code {code} not named"
+
+
+def test_readme_never_installs_the_unclaimed_name():
+    import re
+
+    for path in (README, TESTING):
+        for block in _blocks(path.read_text(), "(?:bash|sh|console|shell)"):
+            for line in block.splitlines():
+                line = line.split("#")[0]
+                assert not re.search(r"pip install\s+(-\S+\s+)*ddtree-patch(\s|$|[=<>\[])", line), (path.name, line)
+
+
+def test_readme_keeps_the_two_commands_and_names_the_fast_tier():
+    text = README.read_text()
+    section = text[text.index("## The two commands"):text.index("## More")]
+    assert "**The main job on a real vLLM**" in section and "bash scripts/demo.sh" in section
+    assert "**The tests**" in section and "\nbash scripts/run-tests.sh " in section
+    dev = text[text.index("## Development"):]
+    for path, where in ((README, section), (README, dev), (TESTING, TESTING.read_text())):
+        assert "bash scripts/run-tests.sh --fast" in where, f"{path.name} does not name the fast tier's command"
+    assert "docs/testing.md" in section and "docs/testing.md" in dev
+
+
+def _matrix_rows() -> dict[str, dict[str, str]]:
+    """docs/matrix.md's release table: {version: {patch id: status}} (kept fresh against a scan of the
+    wheels by test_matrix_doc_is_fresh)."""
+    import re
+
+    ids = [p.id for p in series()]
+    rows = {}
+    for line in matrix_doc.DOC.read_text().split("## Runtime-proven")[0].splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if re.fullmatch(r"\d+\.\d+\.\d+", cells[0]):
+            rows[cells[0]] = dict(zip(ids, cells[1:]))
+    return rows
+
+
+def test_readme_says_what_apply_does_per_release_as_the_matrix_does():
+    """The README's "what apply does per release" lines, its patch table's release ranges and its
+    0.34.0 sentence are docs/matrix.md's rows (a stale line fails here with the line it should be)."""
+    rows = _matrix_rows()
+    text = README.read_text()
+    flat = " ".join(text.split())
+
+    def names(row, status):
+        return ", ".join(f"`{i}`" for i, s in row.items() if s == status)
+
+    for version in ("0.20.0", "0.33.0", "0.34.0"):
+        row = rows[version]
+        line = f"* {version}: writes " + (names(row, "pending") or "nothing (`changed: no`, exit 0, and `verify` exits 0)")
+        line += "".join(f"; {label}: {names(row, status)}" for status, label in
+                        (("upstream", "upstream"), ("not-applicable", "not applicable")) if names(row, status))
+        assert line in text.splitlines(), f"README.md: the line for {version} should read:\n{line}"
+    nothing_on_034 = "On 0.34.0 there is nothing to write" in flat
+    assert nothing_on_034 == ("pending" not in rows["0.34.0"].values()), "README.md's 0.34.0 sentence is stale"
+    for pid in rows["0.20.0"]:  # the patch table: "first–last" of the releases where it is pending
+        pending = [v for v in rows if rows[v][pid] == "pending"]
+        cell = next(line for line in text.splitlines() if line.startswith(f"| [`{pid}`]")).split("|")[3].strip()
+        assert cell.startswith(f"{pending[0]}–{pending[-1]}"), (pid, cell, f"{pending[0]}–{pending[-1]}")
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    import re
+
+    heading = re.sub(r"[`*_]", "", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", heading).replace(" ", "-")
+
+
+def test_readme_and_testing_links_resolve():
+    import re
+
+    bad = []
+    for page in (README, TESTING):
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if target.startswith(("http://", "https://", "mailto:")):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            if not dest.exists():
+                bad.append(f"{page.name}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md":
+                if anchor not in {_slug(h) for h in re.findall(r"^#+ (.*)$", dest.read_text(), re.M)}:
+                    bad.append(f"{page.name}: {target} (no such heading)")
+    assert not bad, "\n".join(bad)
+
+
+def test_what_moved_out_of_the_readme_is_in_docs_testing():
+    """The test, matrix, runtime-matrix, CPU-shim and harness detail lives in docs/testing.md."""
+    text = " ".join(TESTING.read_text().split())
+    for fact in ("## Tiers", "## Runtime release matrix", "### CPU shims", "### Environments", "### Cost",
+                 "tests/runtime_matrix/cpu_shims.py", "DDTREE_TEST_WORKERS", "exit 5",
+                 "bash scripts/runtime-matrix.sh", "torch 2.11.0", "0.20.0, 0.22.1, 0.25.0 and 0.32.0"):
+        assert fact in text, fact
+    readme = README.read_text()
+    assert "cpu_shims" not in readme and "oneDNN" not in readme
+
+
+# ---- the test tiers (issue 39.7) -------------------------------------------------------------
+
+
+def _conftest():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ddtree_tests_root_conftest", REPO / "tests" / "conftest.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_every_test_file_has_a_tier():
+    """tests/conftest.py TIERS classifies every test file (a new one is kept out of the fast tier and
+    fails here until it is given its reasons), names only tests that exist, and uses only the
+    reasons pyproject.toml registers as markers."""
+    import ast
+    import tomllib
+
+    conf = _conftest()
+    files = sorted(p.relative_to(REPO / "tests").as_posix() for p in (REPO / "tests").rglob("test_*.py"))
+    missing = [f for f in files if f not in conf.TIERS]
+    assert not missing, f"not in tests/conftest.py TIERS (give each its reasons, () for the fast tier): {missing}"
+    markers = {m.split(":")[0] for m in tomllib.loads((REPO / "pyproject.toml").read_text())
+               ["tool"]["pytest"]["ini_options"]["markers"]}
+    assert set(conf.REASONS) | {"fast", "unclassified"} <= markers, set(conf.REASONS) - markers
+    for f, entry in conf.TIERS.items():
+        if not (REPO / "tests" / f).is_file():
+            continue  # a file another change removed: harmless, the check above finds new ones
+        entries = entry.values() if isinstance(entry, dict) else [entry]
+        for reasons in entries:
+            assert isinstance(reasons, tuple) and set(reasons) <= set(conf.REASONS), (f, reasons)
+        if isinstance(entry, dict):
+            assert "*" in entry, f
+            tree = ast.parse((REPO / "tests" / f).read_text())
+            names = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")}
+            for key in entry:
+                assert key == "*" or key.split("[")[0] in names, f"TIERS names {f}::{key}, which does not exist"
+
+
+def test_the_tier_guard_knows_an_engine_when_it_sees_one():
+    """What a fast-tier test may not start (tests/conftest.py's guard fails the test by name)."""
+    conf = _conftest()
+    tests = REPO / "tests" / "patches"
+    for argv, env in (([".venv-test/bin/python", str(tests / "ddtree_tree_step" / "run_tree_engine.py")], None),
+                      (["/x/python", str(tests / "engine_tools" / "matrix_worker.py"), "plan.json"], None),
+                      (["/root/.cache/ddtree-patch/envs/torch-2.11.0/bin/python", "-c", "pass"], None),
+                      (["/venv/bin/vllm", "serve", "/tmp/ckpt"], None),
+                      (["python", "-m", "vllm.entrypoints.openai.api_server"], None),
+                      (["python", "-c", "pass"], {"PYTHONPATH": "/c/envs/torch-2.11.0/lib:/x"})):
+        assert conf._engine_like(argv, env), argv
+    for argv in (["/venv/bin/ddtree-patch", "apply", "--vllm-path", "/tmp/site", "--json"],
+                 ["python", "-c", "import ddtree_patcher"], "git status"):
+        assert conf._engine_like(argv, None) is None, argv
+    # every script the guard names exists (a renamed one would silently stop being caught)
+    scripts = {p.name for p in (REPO / "tests").rglob("*.py")} | {p.name for p in (REPO / "benchmarks").glob("*.py")}
+    assert set(conf.ENGINE_SCRIPTS) <= scripts, set(conf.ENGINE_SCRIPTS) - scripts
