@@ -56,8 +56,12 @@ request's row from the path that owns it. After a step, ``TreeStep`` holds persi
 buffers (allocated for ``max_num_reqs`` and the widest step seen): ``accepted_rows``
 ``[max_num_reqs, K+1]`` (logits row of the root and of the node accepted at each depth, -1
 padded; for chain requests the node-order prefix), ``num_accepted`` ``[max_num_reqs]``,
-``tree_rows`` ``[max_num_reqs]`` bool (walked by the tree path); host ``num_reqs``,
-``num_nodes``, ``engaged``. The KV / hidden-state compaction reads them.
+``spine_accepted`` ``[max_num_reqs]`` (how far the accepted path runs along the spine, nodes
+1..s of a spine-first tree: what DFlash's chain would have accepted on the same draft, exact for
+greedy requests; :mod:`.accounting`), ``tree_rows`` ``[max_num_reqs]`` bool (walked by the tree
+path); host ``num_reqs``, ``num_nodes``, ``engaged``. The KV / hidden-state compaction reads them.
+``TreeStep.accounting`` sums tree and spine accepted tokens on the device (no sync), logs a line
+every ``VLLM_LOG_STATS_INTERVAL`` seconds and answers :meth:`TreeStep.counters` outside a step.
 """
 
 from __future__ import annotations
@@ -224,6 +228,10 @@ class TreeStep:
         self.num_nodes = 0
         self.post_walk = None  # called with this TreeStep after each walk (the tree step's KV compaction)
         self._alloc(max(self.K, 1))
+        from .accounting import Accounting
+
+        record = getattr(spec, "ddtree_patch", None)  # DDTree's {"budget", "depth"} (ddtree.configure)
+        self.accounting = Accounting(self.device, record.get("budget") if isinstance(record, dict) else self.K)
         if kind == "V2":
             from . import parity_v2
 
@@ -239,6 +247,7 @@ class TreeStep:
         n, dev, i32 = self.max_num_reqs, self.device, torch.int32
         self.accepted_rows = torch.full((n, self.K + 1), -1, dtype=i32, device=dev)
         self.num_accepted = torch.zeros(n, dtype=i32, device=dev)
+        self.spine_accepted = torch.zeros(n, dtype=i32, device=dev)
         self.tree_rows = torch.zeros(n, dtype=torch.bool, device=dev)
         self._chain_src = torch.arange(self.K, dtype=i32, device=dev)  # chain parents 0..K-1
 
@@ -542,6 +551,7 @@ class TreeStep:
     def verify(self, draft_token_ids, parents, cu, width, max_nodes, **kw):
         from ddtree_patcher.kernels import tree_verify, tree_verify_ref
 
+        self.accounting.record_verify(draft_token_ids, parents, cu, kw.get("target_argmax"), kw.get("is_greedy"))
         fn = tree_verify_ref if _use_reference(draft_token_ids.device) else tree_verify
         if fn is tree_verify and draft_token_ids.device.type != "cuda":
             kw.setdefault("block_v", 1 << 16)  # the interpreter: few, large blocks
@@ -557,12 +567,24 @@ class TreeStep:
         self.accepted_rows[:B, :W].copy_(rows)
         self.num_accepted[:B].copy_(num_acc)
         self.tree_rows[:B].copy_(tree_mask)
+        # tree vs spine (device; the walked requests with draft tokens are host-known)
+        walked = int((ro.tree & (ro.num_draft > 0)).sum())
+        spine = self.accounting.step(rows, num_acc, tree_mask, walked)
+        self.spine_accepted[:B].copy_(spine)
+        self.accounting.record_step(rows, num_acc, tree_mask, spine, ro.num_draft)
         self.num_reqs = B
         self.num_nodes = ro.ND
         self.engaged = True
         self.engaged_steps += 1
         if self.post_walk is not None:
             self.post_walk(self)
+
+    def counters(self) -> dict:
+        """The walk's counters and the tree vs spine accounting (reads device sums: call it
+        outside a step)."""
+        return {"kind": self.kind, "engaged_steps": self.engaged_steps, "tree_requests": self.tree_requests,
+                "chain_steps": self.chain_steps, "fallbacks": dict(self.fallbacks),
+                "accounting": self.accounting.counters()}
 
     # ---- the two call sites ------------------------------------------------------------------
     def sample_v1(self, metadata, draft_probs, logits, sampling_metadata):

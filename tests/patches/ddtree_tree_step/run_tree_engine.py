@@ -170,6 +170,7 @@ def main() -> None:
                             "tree_requests": o.tree_requests, "chain_steps": o.chain_steps, "fallbacks": o.fallbacks,
                             "reason_cache": len(o._reason_cache), "max_num_reqs": o.max_num_reqs}
                            for o in hook.live_steps()]
+            res["accounting"] = [o.accounting.counters() for o in hook.live_steps()]  # tree vs spine (issue 35.1)
             res["tree_step"] = [tree_step.live(o.runner).counters() for o in hook.live_steps()
                                 if tree_step.live(o.runner) is not None]
             drafters = [getattr(getattr(o.runner, "drafter", None) or getattr(o.runner, "speculator", None),
