@@ -32,18 +32,15 @@ Sites (each insert is a few marked lines; the anchor itself is kept unchanged):
   cannot host DFlash: not applicable (the test of tree-walk-hook's V2 site).
 
 Not applicable before 0.20.0 (no DFlash). Nothing is upstream. vLLM 0.34.0 has no V1 runner (its files
-are not applicable); its config, V2 speculator and V2 runner have new shapes whose anchors still match:
-not applicable there (``unported-0.34``, the shapes named) until the runtime supports that runner; any
-other new shape is refused.
+are not applicable); its config, V2 speculator and V2 runner carry the V2 sites (new shapes, the
+anchors and what the runtime reads unchanged; proven on CPU: tests/patches/test_ddtree_v2.py).
 """
 
 from __future__ import annotations
 
 from ddtree_patcher.patchlib import (
     DFLASH_MODEL, V1_DFLASH, Patch, PatchFile, Site, Variant, cst, insert_statements, m, runtime_check,
-    unported_site,
 )
-from ddtree_patcher.patches.tree_walk_hook import WHY_UNPORTED
 
 ID = "ddtree-proposer"
 MARK = f"# ddtree-patch: {ID}"
@@ -233,6 +230,7 @@ V2_TOKENS_SITE = Site(function=V2_RUNNER_FN,
 
 ON_020 = ("0.20.0", "0.20.1", "0.20.2", "0.21.0", "0.22.0", "0.22.1", "0.23.0")
 ON_024 = ("0.24.0", "0.25.0", "0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")
+ON_034 = ("0.34.0",)  # V2-only
 
 # Pristine cst shape hashes (ddtree_patcher.cst_helpers.shape_hash) from the official wheels.
 SHAPES_CONFIG = {CONFIG_FN: frozenset({
@@ -241,6 +239,7 @@ SHAPES_CONFIG = {CONFIG_FN: frozenset({
     "cd75127b1bea",  # 0.22.0-0.24.0
     "f9421ea8e372",  # 0.25.0-0.32.0
     "e18604151c96",  # 0.33.0
+    "cf5f16e7b8cc",  # 0.34.0
 })}
 SHAPES_V1_INIT = {V1_INIT_FN: frozenset({
     "cb9015b2a492",  # 0.20.0-0.22.1
@@ -262,19 +261,16 @@ SHAPES_PROPOSE_024 = {PROPOSE_FN: frozenset({
 })}
 SHAPES_V2_DFLASH = {
     V2_INIT_FN: frozenset({"fca0226a7ece", "6f4b193333f9", "e1c82515f176", "234c9afbea61", "723c61a37167",
-                           "695cfb363a2c", "4636b7d9ba9b", "9a2a3816fae0", "bda2c3b5752e"}),  # one per release
+                           "695cfb363a2c", "4636b7d9ba9b", "9a2a3816fae0", "bda2c3b5752e",
+                           "7080234e035e"}),  # one per release, 0.24.0-0.34.0
     V2_DRAFT_FN: frozenset({"498d57be3d08", "22817856ec51", "2f52e16e6ff9", "defe4d3d5887", "3e95cbdeaa54"}),
 }
 SHAPES_V2_RUNNER = {V2_RUNNER_FN: frozenset({
     "e60d9b244842", "7287dbcf1c44", "6fbc9bd3eeae", "88cdd6c7055b", "8ec88c11b1c6", "24b076836f52",
     "709bf1f0b05b", "082e70cc9640", "9a20d14a1b61", "e3e53dc1dfad",  # 0.24.0 ... 0.33.0, one per release
+    "50e11efe9bab",  # 0.34.0
 })}
 
-
-# vLLM 0.34.0 (V2-only): every anchor still matches; known shapes, not supported yet
-UNPORTED_CONFIG = unported_site(CONFIG_FN, frozenset({"cf5f16e7b8cc"}), WHY_UNPORTED)
-UNPORTED_V2_DFLASH = unported_site(V2_INIT_FN, frozenset({"7080234e035e"}), WHY_UNPORTED)
-UNPORTED_V2_RUNNER = unported_site(V2_RUNNER_FN, frozenset({"50e11efe9bab"}), WHY_UNPORTED)
 
 
 # the call sites import ddtree_patcher.runtime.ddtree in vLLM's interpreter
@@ -292,8 +288,7 @@ PATCH = Patch(
     doc="docs/patches/ddtree-proposer.md",
     runtime=_runtime,
     files=(
-        PatchFile(path=SPEC_PY, variants=(Variant("config-0.20", ON_020 + ON_024, (CONFIG_SITE,), SHAPES_CONFIG),
-                                          Variant("unported-0.34", ("0.34.0",), (UNPORTED_CONFIG,)))),
+        PatchFile(path=SPEC_PY, variants=(Variant("config-0.20", ON_020 + ON_024 + ON_034, (CONFIG_SITE,), SHAPES_CONFIG),)),
         PatchFile(path=DFLASH_V1_PY, gone_with=V1_DFLASH,
                   variants=(Variant("v1-init-0.20", ON_020 + ON_024, (V1_BIND_SITE,), SHAPES_V1_INIT),)),
         PatchFile(path=PROPOSER_PY, gone_with=V1_DFLASH, variants=(
@@ -301,10 +296,8 @@ PATCH = Patch(
             Variant("v1-0.20", ON_020, (V1_TREE_SITE,), SHAPES_PROPOSE_020),
         )),
         PatchFile(path=DFLASH_V2_PY, optional=True,
-                  variants=(Variant("v2-0.24", ON_024, (V2_BIND_SITE, V2_TREE_SITE), SHAPES_V2_DFLASH),
-                            Variant("unported-0.34", ("0.34.0",), (UNPORTED_V2_DFLASH,)))),
+                  variants=(Variant("v2-0.24", ON_024 + ON_034, (V2_BIND_SITE, V2_TREE_SITE), SHAPES_V2_DFLASH),)),
         PatchFile(path=RUNNER_V2_PY, optional=True,
-                  variants=(Variant("v2-runner-0.24", ON_024 + ON_020, (V2_TOKENS_SITE,), SHAPES_V2_RUNNER),
-                            Variant("unported-0.34", ("0.34.0",), (UNPORTED_V2_RUNNER,)))),
+                  variants=(Variant("v2-runner-0.24", ON_024 + ON_020 + ON_034, (V2_TOKENS_SITE,), SHAPES_V2_RUNNER),)),
     ),
 )

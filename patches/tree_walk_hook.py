@@ -25,15 +25,14 @@ Sites (one per runner; both classes are named ``GPUModelRunner``, so two files):
   On 0.20.0-0.23.0 the V2 file exists but cannot host DFlash: not applicable.
 
 Not applicable before 0.20.0 (no DFlash). Nothing is upstream. vLLM 0.34.0 has no V1 runner (its file is
-not applicable) and a V2 ``sample`` of a new shape whose anchor still matches: not applicable there
-(``unported-0.34``, the shape named) until the runtime supports that runner; any other new shape is
-refused.
+not applicable); its V2 ``sample`` (the shard gather and the logits call moved, the grammar's invalid
+drafts left the call) carries the V2 site, proven on CPU (tests/patches/test_ddtree_v2.py).
 """
 
 from __future__ import annotations
 
 from ddtree_patcher.patchlib import (
-    DFLASH_MODEL, V1_DFLASH, Patch, PatchFile, Site, Variant, cst, m, runtime_abi, unported_site,
+    DFLASH_MODEL, V1_DFLASH, Patch, PatchFile, Site, Variant, cst, m, runtime_abi,
 )
 
 ID = "tree-walk-hook"
@@ -45,8 +44,6 @@ V1_FN = "GPUModelRunner._sample"
 V2_FN = "GPUModelRunner.sample"
 ENV_ENABLE = "DDTREE_PATCH_ENABLE"
 ENV_CHAIN = "DDTREE_PATCH_CHAIN_AS_TREE"
-WHY_UNPORTED = ("vLLM 0.34.0's shape (V2-only: the V1 runner is gone): DDTree's V2 sites are not supported there "
-                "yet; the anchors still match (`ddtree-patch survey --release 0.34.0`)")
 
 
 # ---- anchor: `sampler_output = self.rejection_sampler(...)` ---------------------------------
@@ -147,9 +144,8 @@ ON_V2 = ON_V1_B[3:]  # 0.24.0 ... 0.33.0
 SHAPES_V1_A = {V1_FN: frozenset({"dde44adabe45"})}  # 0.20.0-0.21.0: `None,  # draft_probs`
 SHAPES_V1_B = {V1_FN: frozenset({"e8615af5c218"})}  # 0.22.0-0.33.0: `draft_probs`
 # 0.24.0-0.28.0, 0.29.0-0.30.0, 0.31.0, 0.32.0-0.33.0 (adds invalid_drafts and batch sharding)
-SHAPES_V2 = {V2_FN: frozenset({"d58876dc8445", "6a152f0c6da1", "cd371424437d", "5585f4a055cf"})}
-# 0.34.0's V2 ``sample`` (the anchor matches once): known, not supported yet
-UNPORTED_V2 = unported_site(V2_FN, frozenset({"ea37fe5f6b62"}), WHY_UNPORTED)
+# 0.34.0 (V2-only): the shard gather and the logits call moved, the grammar's invalid drafts left the call
+SHAPES_V2 = {V2_FN: frozenset({"d58876dc8445", "6a152f0c6da1", "cd371424437d", "5585f4a055cf", "ea37fe5f6b62"})}
 
 def _runtime(site, python: str | None) -> str | None:
     """The call sites import ``ddtree_patcher.runtime.hook`` in vLLM's interpreter (``--python``, else
@@ -193,8 +189,7 @@ PATCH = Patch(
         PatchFile(
             path=V2_PY,
             optional=True,
-            variants=(Variant("v2-0.24", ON_V2 + ON_V2_OLD, (V2_SITE,), SHAPES_V2),
-                      Variant("unported-0.34", ("0.34.0",), (UNPORTED_V2,))),
+            variants=(Variant("v2-0.24", ON_V2 + ON_V2_OLD + ("0.34.0",), (V2_SITE,), SHAPES_V2),),
         ),
     ),
 )

@@ -1,7 +1,8 @@
-# Shared by the H200 scripts that run the offline vLLM 0.26.0 bundle (/work/shared/gpu/README.md)
-# with the whole repository patched in: sourced, needs REPO and O set.
-#   bundle_stage1   first `run` call (carry .bundle/01 and .whl): part 1 of the bundle, libcst
-#   bundle_install  second call (carry .bundle/02): unpack into /tmp/site once per machine, export
+# Shared by the H200 scripts that run an offline vLLM bundle (/work/shared/gpu/README.md: 0.26.0 in two
+# chunks, 0.34.0 in three) with the whole repository patched in: sourced, needs REPO and O set.
+#   bundle_stage1   first `run` call (carry .bundle/01 and .whl): part 1 of the bundle, libcst; a
+#                   bundle of more parts: the same for each further part but the last (carry .bundle/02)
+#   bundle_install  the last part's call (carry .bundle/02, or 03): unpack into /tmp/site once per machine, export
 #                   the environment every engine process of these scripts runs with; installs
 #                   libcst if stage 1 did not (.whl may travel with either call: with a larger
 #                   bundle part 1, .bundle/01 + .whl + the tree can exceed the 64 MiB a call carries)
@@ -17,8 +18,8 @@ bundle_libcst() {  # libcst into /tmp/tools from the carried .whl, once per mach
     && python3 -c "import sys; sys.path.insert(0, '/tmp/tools'); import libcst; print('libcst', libcst.__file__)"
 }
 
-bundle_stage1() {
-  mkdir -p /tmp/vb && cp "$REPO"/.bundle/01/* /tmp/vb/ && ls -la /tmp/vb | tail -3
+bundle_stage1() {  # every part this call carries
+  mkdir -p /tmp/vb && cp "$REPO"/.bundle/0*/* /tmp/vb/ && ls -la /tmp/vb | tail -3
   bundle_libcst
   nvidia-smi -L
 }
@@ -26,7 +27,7 @@ bundle_stage1() {
 bundle_install() {
   bundle_libcst
   if [ ! -f /tmp/site/.bundle-sha256 ]; then
-    cp "$REPO"/.bundle/02/* /tmp/vb/ || exit 3
+    cp "$REPO"/.bundle/0*/* /tmp/vb/ || exit 3
     eval "$(bash /tmp/vb/device_install.sh | tee "$O/install.log" | grep '^export ')" || exit 4
   fi
   export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=/tmp/site:/tmp/tools:$REPO PYTHONUNBUFFERED=1 \

@@ -12,6 +12,11 @@
 #   run(carry=[".bundle/01", ".whl"], command="bash scripts/gpu_tree_e2e.sh stage1")
 #   run(carry=[".bundle/02"],         command="bash scripts/gpu_tree_e2e.sh stage2")
 # stage2 prints a table and "TREE-E2E ok" or "TREE-E2E FAIL <what>"; $OUT/tree_e2e.json, $OUT/*.log.
+# vLLM 0.34.0 (V2 only; VLLM_VERSION=0.34.0 bash /work/shared/gpu/make_bundle.sh .bundle: three parts):
+#   run(carry=[".bundle/01", ".whl"], command="bash scripts/gpu_tree_e2e.sh stage1")
+#   run(carry=[".bundle/02"],         command="bash scripts/gpu_tree_e2e.sh stage1")
+#   run(carry=[".bundle/03"],         command="ONLY='<*-v2 engines>' bash scripts/gpu_tree_e2e.sh stage2")
+# (0.34.0 refuses VLLM_USE_V2_MODEL_RUNNER=0: run only the V2 engines there).
 # ONLY="nospec dd-eager" limits the engines; BUDGET (s, default 420) bounds the engines' time.
 # SIBLING=49.5: the contested drafter of branchy_ckpts.py (its top two close: most trees' spine-first
 # node order differs from their pop order, so the tree step runs renumbered trees; default 48).
@@ -39,7 +44,7 @@ MIX="SCENARIO=mixed PREFIX_CACHING=1 BLOCK_SIZE=32 MAX_NUM_SEQS=4 MAX_MODEL_LEN=
 # against no speculation's by chi-square (tests/patches/ddtree_tree_step/sampled_stats.py, the CPU
 # test's statistics: tests/patches/test_ddtree_e2e.py)
 SAMPLED="SCENARIO=sampled N_PROMPTS=10000 MAX_TOKENS=3 MAX_NUM_SEQS=256 MAX_BATCHED_TOKENS=16384"
-V2="VLLM_USE_V2_MODEL_RUNNER=1"  # the V2 runner's tree step (vLLM 0.26.0's shape; tree-step ABI 4)
+V2="VLLM_USE_V2_MODEL_RUNNER=1"  # the V2 runner's tree step (vLLM 0.26.0-0.34.0's shapes; tree-step ABI 4)
 # issue 33: a seeded temperature-1 request alone (sd1*) and beside a seeded repetition_penalty request that
 # vLLM's chain sampler verifies in the same steps (sd2*): its tokens must be the same both times
 SEEDED="SCENARIO=seeded MAX_TOKENS=32"

@@ -34,7 +34,7 @@ right for that tree:
    (``hidden[root + d] = hidden[root + j_d]``) and the tree rows' positions linear again, so
    DFlash sees the accepted path and its context-KV writes land on distinct slots.
 
-The V2 runner (vLLM 0.26.0-0.33.0's shapes) runs the same four pieces from its own sites:
+The V2 runner (vLLM 0.26.0-0.34.0's shapes) runs the same four pieces from its own sites:
 :meth:`TargetTreeStep.prepare_v2` in ``execute_model`` right after ``prepare_attn`` (slots from
 linear positions; positions are ``input_batch.positions``, the FULL graphs' input buffer), the
 same attention and the same compaction (the slots are the step's ``slot_mappings``, read before
@@ -127,7 +127,6 @@ def not_installed_reason(gpu: bool | None = None) -> str | None:
     (default: asked of vLLM's platform, :func:`_gpu_platform`): on a GPU the tree attention is
     FlashAttention 3's site, the only GPU backend covered, so its file must carry it (else the
     refusal would come only when the runner binds, at graph capture or the first step)."""
-    v2 = os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0") not in ("", "0")
     import importlib.util
 
     try:
@@ -137,6 +136,9 @@ def not_installed_reason(gpu: bool | None = None) -> str | None:
     if spec is None or not spec.submodule_search_locations:
         return "vLLM is not importable in this process"
     root = Path(list(spec.submodule_search_locations)[0]).parent
+    # the V2 runner: asked for, or the only one (vLLM 0.34.0 removed the V1 runner and the variable)
+    v2 = (os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0") not in ("", "0")
+          or not (root / RUNNER_PY).exists() and (root / RUNNER_V2_PY).exists())
     want = f"tree_step_abi={TREE_STEP_ABI})".encode()
     runner_py = RUNNER_V2_PY if v2 else RUNNER_PY
     try:
@@ -146,13 +148,13 @@ def not_installed_reason(gpu: bool | None = None) -> str | None:
     if MARK.encode() not in data:
         return (f"the ddtree-tree-step patch is not applied to this vLLM ({root / runner_py} has no call "
                 "site; it applies to the V1 runner of the vLLM 0.24.0-0.33.0 code shapes and the V2 runner of "
-                "the 0.26.0-0.33.0 shapes: `ddtree-patch verify`)")
+                "the 0.26.0-0.34.0 shapes: `ddtree-patch verify`)")
     if want not in data:
         return (f"{root / runner_py}: the ddtree-tree-step call sites speak another ABI than the installed "
                 f"runtime ({TREE_STEP_ABI}): `ddtree-patch revert && ddtree-patch apply`")
     if v2 and V2_PREP_CALL.encode() not in data:
-        return (f"VLLM_USE_V2_MODEL_RUNNER=1: the V2 runner of this vLLM ({root / runner_py}) has no tree step "
-                "(its sites are written for the V2 runner of vLLM 0.26.0-0.33.0): set VLLM_USE_V2_MODEL_RUNNER=0")
+        return (f"the V2 runner of this vLLM ({root / runner_py}) has no tree step (its sites are written for the V2 "
+                "runner of vLLM 0.26.0-0.34.0): set VLLM_USE_V2_MODEL_RUNNER=0 where the V1 runner exists")
     gpu = _gpu_platform() if gpu is None else gpu
     for rel in (FLASH_ATTN_PY,) if gpu else ATTN_FILES:  # the backend actually used is checked when the runner binds
         try:
@@ -162,10 +164,10 @@ def not_installed_reason(gpu: bool | None = None) -> str | None:
             continue
     if gpu:
         return (f"on a GPU the tree attention is FlashAttention 3's site, and this vLLM's FlashAttention forward "
-                f"({root / FLASH_ATTN_PY}) has none: the GPU tree step is written for vLLM 0.26.0-0.27.0's "
-                "FlashAttention forward (proven on 0.26.0); other releases run DDTree on CPU_ATTN only")
+                f"({root / FLASH_ATTN_PY}) has none: the GPU tree step is written for the FlashAttention forwards "
+                "of vLLM 0.26.0-0.27.0 (proven on 0.26.0) and 0.34.0; other releases run DDTree on CPU_ATTN only")
     return (f"no attention backend of this vLLM carries the ddtree-tree-step site ({', '.join(ATTN_FILES)}: "
-            "CPU_ATTN on the 0.24.0-0.33.0 shapes, FlashAttention 3 on the 0.26.0/0.27.0 shape)")
+            "CPU_ATTN on the 0.24.0-0.34.0 shapes, FlashAttention 3 on the 0.26.0/0.27.0 and 0.34.0 shapes)")
 
 
 def _has_site(fn) -> bool:
@@ -179,7 +181,7 @@ def _has_site(fn) -> bool:
 
 def check_v2_runner(runner, *, tree_step_abi: int) -> None:
     """The V2 runner's ``__init__`` with a speculative config built for DDTree: this runner must
-    carry the V2 tree-step sites (``execute_model``: the shapes of vLLM 0.26.0-0.33.0), else refused by name
+    carry the V2 tree-step sites (``execute_model``: the shapes of vLLM 0.26.0-0.34.0), else refused by name
     (vLLM may pick V2 for DFlash by default); engine options the tree step does not cover (FULL
     graphs of mixed batches, KV connectors) are refused here, before any capture."""
     check_abi(tree_step_abi)
@@ -192,7 +194,7 @@ def check_v2_runner(runner, *, tree_step_abi: int) -> None:
     if MARK not in src or V2_PREP_CALL not in src:  # the execute_model site (V2_PREP_CODE)
         raise _not_ready(f"the V2 model runner of this vLLM ({type(runner).__module__}; vLLM picked it, or "
                          "VLLM_USE_V2_MODEL_RUNNER=1): its tree-step sites are written for the V2 runner of vLLM "
-                         "0.26.0-0.33.0 only; set VLLM_USE_V2_MODEL_RUNNER=0 (the V1 runner: 0.24.0-0.33.0)")
+                         "0.26.0-0.34.0 only; set VLLM_USE_V2_MODEL_RUNNER=0 (the V1 runner: 0.24.0-0.33.0)")
     refuse_uncovered_config(getattr(runner, "vllm_config", None))
 
 
@@ -303,7 +305,7 @@ class TargetTreeStep:
             spec = getattr(runner, "speculator", None)
             if spec is None or not _has_site(type(spec).propose):
                 raise _not_ready(f"V2 speculator {type(spec).__name__} without the tree step's propose site "
-                                 "(DFlashSpeculator of vLLM 0.26.0-0.33.0)")
+                                 "(DFlashSpeculator of vLLM 0.26.0-0.34.0)")
             self.speculator = spec
         self._init_state()
         self.groups = self._bind_layers(runner)  # [(gid, [K/V views (nb, bs, H, X)])]
@@ -434,7 +436,7 @@ class TargetTreeStep:
                 if iname not in COVERED_IMPLS or not _forward_has_site(impl):
                     raise _not_ready(
                         f"layer {name}: this vLLM's FlashAttention forward has no tree-step site (it is written "
-                        "for vLLM 0.26.0-0.27.0's forward)" if iname == "FlashAttentionImpl" else
+                        "for the forwards of vLLM 0.26.0-0.27.0 and 0.34.0)" if iname == "FlashAttentionImpl" else
                         f"attention backend {iname} of layer {name} (covered: CPU_ATTN and FlashAttention 3, with "
                         "this patch's forward site)")
                 why = self._impl_refusal(impl)
@@ -983,8 +985,12 @@ def cpu_kv_views(impl, kv_cache, isa=None):
     import torch
 
     isa = impl.isa if isa is None else isa
+    import sys
 
-    from vllm import _custom_ops as ops
+    # the ops module the backend's own forward calls (vllm._custom_ops; vllm._cpu_ops from 0.34.0)
+    ops = getattr(sys.modules.get(type(impl).__module__), "ops", None)
+    if ops is None or not hasattr(ops, "cpu_attn_reshape_and_cache"):
+        from vllm import _custom_ops as ops
 
     nb, H, bs, D2 = kv_cache.shape
     D = D2 // 2

@@ -2,7 +2,7 @@
 
 On the wheels the suite already downloads (``tests/vllm_wheels.py``, the same cache the command
 uses: nothing is downloaded here): 0.34.0 (V2-only: the V1 runner is gone, DFlash's sliding window
-upstream, the DDTree hooks' V2 anchors on shapes not supported yet) and 0.26.0 (every patch pending
+upstream, the DDTree patches on its V2 runner) and 0.26.0 (every patch pending
 or upstream on verified shapes); and a release whose code moved: the refusal of ``apply`` names the
 command, and the survey says where the function and its anchor went.
 """
@@ -41,8 +41,8 @@ def test_survey_of_0_34_0(cli):
     assert doc["vllm"]["version"] == "0.34.0" and doc["apply"] == {"exit_code": 0, "refusals": []}
     assert {k: p["status"] for k, p in patches.items()} == {
         "dflash-layer-offset": "upstream", "dflash-prefix-cache-drop": "upstream",
-        "dflash-sliding-window": "upstream", "tree-walk-hook": "not-applicable",
-        "ddtree-proposer": "not-applicable", "ddtree-tree-step": "not-applicable"}
+        "dflash-sliding-window": "upstream", "tree-walk-hook": "pending",
+        "ddtree-proposer": "pending", "ddtree-tree-step": "pending"}
 
     # the sliding-window guard is gone: 0.25-0.33's variant does not recognise the file, 0.34's does
     swa = _file(patches["dflash-sliding-window"], "vllm/model_executor/models/qwen3_dflash.py")
@@ -58,17 +58,19 @@ def test_survey_of_0_34_0(cli):
     propose = _site(v1, "v1-0.24", "SpecDecodeBaseProposer.propose")
     assert propose["state"] in ("file missing", "moved") and propose["class_elsewhere"] == []
 
-    # the hooks' V2 anchors still match, on new shapes (known, not supported yet)
+    # the hooks' V2 sites: 0.34.0's shapes (DDTree on its V2 runner)
     hook = _file(patches["tree-walk-hook"], "vllm/v1/worker/gpu/model_runner.py")
-    assert hook["variant"] == "unported-0.34"
+    assert hook["variant"] == "v2-0.24"
     sample = _site(hook, "v2-0.24", "GPUModelRunner.sample")
-    assert (sample["matched"], sample["shape_verified"], sample["state"]) == (1, False, "matched, new shape")
+    assert (sample["matched"], sample["shape_verified"]) == (1, True)
     draft = _site(_file(patches["ddtree-proposer"], "vllm/v1/worker/gpu/spec_decode/dflash/speculator.py"),
                   "v2-0.24", "DFlashSpeculator._generate_draft")
     assert (draft["matched"], draft["shape_verified"]) == (1, True)
-    # the tree step's drafter-rows anchor left DFlashSpeculator.propose: the survey says where it went
-    propose_v2 = _site(_file(patches["ddtree-tree-step"], "vllm/v1/worker/gpu/spec_decode/dflash/speculator.py"),
-                       "v2-dflash-0.26", "DFlashSpeculator.propose")
+    # the tree step's drafter-rows anchor of 0.26.0-0.32.0 left DFlashSpeculator.propose (from 0.33.0): the
+    # survey says where it went, and the 0.33.0 variant's anchor is what matches
+    dfl = _file(patches["ddtree-tree-step"], "vllm/v1/worker/gpu/spec_decode/dflash/speculator.py")
+    assert dfl["variant"] == "v2-dflash-0.33"
+    propose_v2 = _site(dfl, "v2-dflash-0.26", "DFlashSpeculator.propose")
     assert propose_v2["matched"] == 0
     assert {(p["path"], p["function"]) for p in propose_v2["anchor_elsewhere"]} == {
         ("vllm/v1/worker/gpu/spec_decode/dflash/speculator.py", "DFlashSpeculator._store_hidden_states")}

@@ -39,7 +39,7 @@ from overlay import overlay_site  # noqa: E402
 
 ID, MARK = P.ID, P.MARK
 MATRIX = vllm_wheels.MATRIX
-NOT_APPLICABLE = {"0.19.1", "0.34.0"}  # no DFlash; V2-only, shapes DDTree does not support yet
+NOT_APPLICABLE = {"0.19.1"}  # no DFlash
 NO_DFLASH = {"0.19.1"}
 V1_FILES = [P.SPEC_PY, P.DFLASH_V1_PY, P.PROPOSER_PY]
 V2_FILES = [P.DFLASH_V2_PY, P.RUNNER_V2_PY]
@@ -50,10 +50,10 @@ def _key(v: str) -> tuple[int, ...]:
 
 
 def expected_variants(version: str) -> dict[str, tuple[str | None, str]]:
-    if _key(version) >= (0, 34, 0):  # no V1 runner; every V2 anchor matches on a known, unsupported shape
-        return {P.SPEC_PY: ("unported-0.34", "not-applicable"), P.DFLASH_V1_PY: (None, "absent"),
-                P.PROPOSER_PY: (None, "absent"), P.DFLASH_V2_PY: ("unported-0.34", "not-applicable"),
-                P.RUNNER_V2_PY: ("unported-0.34", "not-applicable")}
+    if _key(version) >= (0, 34, 0):  # no V1 runner (V2-only): the config and V2 sites
+        return {P.SPEC_PY: ("config-0.20", "pending"), P.DFLASH_V1_PY: (None, "absent"),
+                P.PROPOSER_PY: (None, "absent"), P.DFLASH_V2_PY: ("v2-0.24", "pending"),
+                P.RUNNER_V2_PY: ("v2-runner-0.24", "pending")}
     v2 = _key(version) >= (0, 24, 0)
     return {
         P.SPEC_PY: ("config-0.20", "pending"),

