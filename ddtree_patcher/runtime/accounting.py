@@ -81,6 +81,9 @@ def log_interval() -> float:
     return val if val > 0.0 else 10.0
 
 
+_STEPS: dict = {}  # (device, W, dtype) -> the depths 1..W-1 (allocated once: no upload per step)
+
+
 def spine_lengths(rows, num_acc):
     """Per request: how many leading depths of the accepted path are spine nodes (device, int32).
 
@@ -89,8 +92,11 @@ def spine_lengths(rows, num_acc):
     The node accepted at depth d is spine node d iff its local index ``rows[d] - rows[0]`` is d."""
     import torch
 
-    B, W = rows.shape
-    d = torch.arange(1, W, device=rows.device, dtype=rows.dtype)
+    W = rows.shape[1]
+    key = (rows.device, W, rows.dtype)
+    d = _STEPS.get(key)
+    if d is None:
+        d = _STEPS[key] = torch.arange(1, W, device=rows.device, dtype=rows.dtype)
     on = (rows[:, 1:] - rows[:, :1] == d) & (d <= num_acc.to(rows.dtype)[:, None])
     return on.to(torch.int32).cumprod(1).sum(1, dtype=torch.int32)
 
@@ -138,11 +144,9 @@ class Accounting:
         import torch
 
         spine = spine_lengths(rows, num_acc)
-        if requests:
-            zero = torch.zeros((), dtype=torch.int64, device=rows.device)
-            tree = torch.where(tree_mask, num_acc.to(torch.int64), zero).sum()
-            sp = torch.where(tree_mask, spine.to(torch.int64), zero).sum()
-            self.sums.add_(torch.stack([tree, sp]))
+        if requests:  # [tree, spine] accepted of the walked rows, summed: 4 launches
+            both = torch.stack([num_acc.to(torch.int32), spine]) * tree_mask
+            self.sums.add_(both.sum(1, dtype=torch.int64))
             self.steps += 1
             self.requests += int(requests)
         self._maybe_log()
