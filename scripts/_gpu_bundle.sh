@@ -19,7 +19,7 @@ bundle_libcst() {  # libcst into /tmp/tools from the carried .whl, once per mach
 }
 
 bundle_stage1() {  # every part this call carries
-  mkdir -p /tmp/vb && cp "$REPO"/.bundle/0*/* /tmp/vb/ && ls -la /tmp/vb | tail -3
+  mkdir -p /tmp/vb && for d in "$REPO"/.bundle/0*/; do cp -f "$d"* /tmp/vb/ || return 3; done; ls -la /tmp/vb | tail -3
   bundle_libcst
   nvidia-smi -L
 }
@@ -27,7 +27,7 @@ bundle_stage1() {  # every part this call carries
 bundle_install() {
   bundle_libcst
   if [ ! -f /tmp/site/.bundle-sha256 ]; then
-    cp "$REPO"/.bundle/0*/* /tmp/vb/ || exit 3
+    for d in "$REPO"/.bundle/0*/; do cp -f "$d"* /tmp/vb/ || exit 3; done
     eval "$(bash /tmp/vb/device_install.sh | tee "$O/install.log" | grep '^export ')" || exit 4
   fi
   export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=/tmp/site:/tmp/tools:$REPO PYTHONUNBUFFERED=1 \

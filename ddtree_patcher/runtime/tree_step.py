@@ -263,6 +263,34 @@ def before_capture(runner, *, tree_step_abi: int) -> None:
     step.before_capture()
 
 
+FA034_CALL = "_FA4_DENSE_ATTENTION_KERNEL("  # vLLM 0.34.0's FlashAttention forward calls FA through it
+PIECEWISE_034_RECORD = "docs/runs/h100-ddtree-v2-0.34.0-2026-12-05.json"
+
+
+def refuse_piecewise_fa034(graph_config, impl) -> str | None:
+    """vLLM 0.34.0's FlashAttention forward (the tree step's ``fa-0.34`` site) with a CUDA graph mode
+    that runs PIECEWISE graphs (PIECEWISE; FULL_AND_PIECEWISE, whose mixed batches run them): mixed
+    batches diverged from no speculation on an H100 (7/12, margins up to 1.0 nats), while eager and
+    FULL decode graphs were identical; cause not found yet. The reason, or None (other forwards, or
+    a mode without PIECEWISE graphs: NONE, FULL_DECODE_ONLY)."""
+    mode = getattr(graph_config, "cudagraph_mode", None)
+    piecewise = getattr(mode, "has_piecewise_cudagraphs", None)
+    if not (callable(piecewise) and piecewise()):
+        return None
+    import inspect
+
+    try:
+        src = inspect.getsource(type(impl).forward)
+    except (OSError, TypeError):
+        return None
+    if FA034_CALL not in src:
+        return None
+    return (f"CUDA graph mode {getattr(mode, 'name', mode)} on this vLLM's FlashAttention forward (vLLM 0.34.0's "
+            "shape): mixed batches under PIECEWISE graphs diverged from no speculation in the tree step's GPU "
+            f"proof ({PIECEWISE_034_RECORD}); eager and FULL decode graphs did not. Start vLLM with "
+            "enforce_eager=True or compilation_config={'cudagraph_mode': 'FULL_DECODE_ONLY'}")
+
+
 def _forward_has_site(impl) -> bool:
     return _has_site(type(impl).forward)
 
@@ -483,6 +511,9 @@ class TargetTreeStep:
                              f"(num_blocks, {impl.num_kv_heads}, block_size, {2 * impl.head_size}) layout")
         if impl.head_size > 256 or impl.head_size % 8:
             raise _not_ready(f"layer {name}: head size {impl.head_size}")
+        why = refuse_piecewise_fa034(self.graph_config, impl)
+        if why:
+            raise _not_ready(why)
         import sys
 
         self.fa_varlen = getattr(sys.modules[type(impl).__module__], "flash_attn_varlen_func")

@@ -35,7 +35,7 @@ def test_cells_read_the_records_and_never_claim_proof_without_one():
                           "checks": {"ddtree.tree_v1": "tokens differ at 3", "ddtree.v2": "n/a: V2 does not start"}}}
     gpu = {(v, "V2"): [("2030-01-03", "h200-x-2030-01-03.json", True, "FULL_AND_PIECEWISE", "dd-v2-fg")],
            (v, "V1"): [("2030-01-03", "h200-x-2030-01-03.json", False, "FULL_AND_PIECEWISE", "dd-fg")]}
-    table = gen.render(_everywhere(), {}, runtime, gpu)
+    table = gen.render(_everywhere(), {}, runtime, gpu, {})  # no V2-on-CPU records
     v1cpu, v1gpu, v2cpu, v2gpu = _row(table, v)
     assert v1cpu.startswith("**proven** 2030-01-02") and "`ddtree.tree_v1`" in v1cpu
     assert v1gpu == "applies, not proven"  # a failed run proves nothing
@@ -47,6 +47,12 @@ def test_cells_read_the_records_and_never_claim_proof_without_one():
     _, _, v2cpu, v2gpu = _row(table, "0.32.0")  # no record at all
     assert v2cpu == "applies, not proven (not run on CPU: no runtime-matrix record)"
     assert v2gpu == "applies, not proven"
+    # a V2-on-CPU record (tests/patches/test_ddtree_v2.py) proves its release's V2 CPU cell; a failed one says so
+    cpu_v2 = {"0.32.0": ("2030-01-04", "ddtree-cpu-v2-2030-01-04.json", True, "basic 4/4, mixed 12/12"),
+              "0.31.0": ("2030-01-04", "ddtree-cpu-v2-2030-01-04.json", False, "basic 3/4")}
+    table = gen.render(_everywhere(), {}, runtime, gpu, cpu_v2)
+    assert _row(table, "0.32.0")[2].startswith("**proven** 2030-01-04") and "mixed 12/12" in _row(table, "0.32.0")[2]
+    assert _row(table, "0.31.0")[2].startswith("FAILS 2030-01-04")
 
 
 def test_a_cell_without_the_tree_step_is_refused_with_the_codes_reason():

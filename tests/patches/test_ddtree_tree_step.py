@@ -319,3 +319,34 @@ def test_end_to_end_without_compaction_diverges(tmp_path, cli):
                   DDTREE_PATCH_BUDGET="8", CONTROL="no-compaction")
     assert ctl["control"] == "no-compaction" and ctl["tree_step"][0]["moved_rows"] > 0, ctl["tree_step"]
     assert ctl["tokens"] != nospec["tokens"]
+
+
+def test_piecewise_graphs_are_refused_on_0_34_0s_flash_attention_forward():
+    """vLLM 0.34.0's FlashAttention forward (the fa-0.34 site) with PIECEWISE graphs (PIECEWISE,
+    FULL_AND_PIECEWISE) is refused: its mixed batches diverged on an H100
+    (docs/runs/h100-ddtree-v2-0.34.0-2026-12-05.json); NONE and FULL_DECODE_ONLY are not, nor other forwards."""
+    from types import SimpleNamespace
+
+    class Mode:
+        def __init__(self, name, pw):
+            self.name, self._pw = name, pw
+
+        def has_piecewise_cudagraphs(self):
+            return self._pw
+
+    class Impl034:
+        def forward(self):
+            _FA4_DENSE_ATTENTION_KERNEL(causal=True)  # noqa: F821 - source only
+
+    class Impl026:
+        def forward(self):
+            flash_attn_varlen_func(causal=True)  # noqa: F821 - source only
+
+    for name, pw in (("PIECEWISE", True), ("FULL_AND_PIECEWISE", True), ("NONE", False), ("FULL_DECODE_ONLY", False)):
+        cfg = SimpleNamespace(cudagraph_mode=Mode(name, pw))
+        why = tree_step.refuse_piecewise_fa034(cfg, Impl034())
+        assert (why is not None) == pw, (name, why)
+        assert tree_step.refuse_piecewise_fa034(cfg, Impl026()) is None
+    assert "FULL_DECODE_ONLY" in why if (why := tree_step.refuse_piecewise_fa034(
+        SimpleNamespace(cudagraph_mode=Mode("PIECEWISE", True)), Impl034())) else False
+    assert (Path(__file__).resolve().parents[2] / tree_step.PIECEWISE_034_RECORD).exists()
