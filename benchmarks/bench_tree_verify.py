@@ -16,7 +16,7 @@ What it does, in one process:
      probs given (uniforms + ``sample_recovered_tokens`` + random kernel), and the
      full ``rejection_sample`` random path from logits (includes its softmax),
    for B in {1, 8, 64, 256}, n in {8, 32, 128}, V = 151,936, fp32.
-3. Prints a compact table (each timing next to its bytes floor, spec §4.2) and
+3. Prints a compact table (each timing next to its bytes floor, docs/benchmarks.md) and
    writes everything to ``$OUT/bench.json`` when OUT is set.
 
 Run from the repository root: ``PYTHONPATH=. python benchmarks/bench_tree_verify.py``.

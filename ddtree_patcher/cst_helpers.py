@@ -35,7 +35,8 @@ def find_def(module: cst.Module, qualname: str) -> cst.FunctionDef | cst.ClassDe
 def shape_hash(module: cst.Module, node: cst.CSTNode) -> str:
     """sha256 (12 hex digits) of the node's code, decorators included, leading lines dropped.
 
-    This is the ``cst`` hash of vllm-landscape.md: it changes on any edit, comments included.
+    This is the ``cst`` shape hash of docs/design.md ("Selection by shape"): it changes on any
+    edit, comments and docstrings included, so it only tells known shapes from new ones.
     """
     if hasattr(node, "leading_lines"):
         node = node.with_changes(leading_lines=())

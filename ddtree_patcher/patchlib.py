@@ -1,8 +1,8 @@
 """The patch model: a patch is data plus small libcst transformers.
 
 A :class:`Patch` names the files it rewrites. For each file it lists *variants*, each keyed
-by the code shape it recognises (the ``cst`` shape hash of every function it touches, see
-vllm-landscape.md §0) and by its anchors: a matcher for the unfixed code, a matcher for the
+by the code shape it recognises (the ``cst`` shape hash of every function it touches,
+``cst_helpers.shape_hash``, docs/design.md "Selection by shape") and by its anchors: a matcher for the unfixed code, a matcher for the
 upstream fix, and the transformer that rewrites the anchor. The version of vLLM is never
 consulted: selection is by shape. The engine (``ddtree_patcher.engine``) knows nothing about
 any particular patch.

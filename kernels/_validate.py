@@ -11,7 +11,7 @@ Two levels:
   CUDA tensors; the reference always checks.
 
 Without ``check_data`` an invalid node (parent outside ``[0, j-1]``, negative
-token) is treated as unreachable, as spec §2 asks for release builds.
+token) is treated as unreachable (docs/kernel.md, GREEDY: padding and invalid nodes).
 """
 
 from __future__ import annotations

@@ -3,8 +3,7 @@
 ``tree_verify_ref`` has the same signature and the same outputs as
 :func:`ddtree_patcher.kernels.tree_verify`. It walks every request with Python
 loops, so it is slow and syncs with the device; it exists to define the
-semantics (see ``docs/kernel.md`` and ``tree-verify-spec.md`` §1.5-1.6, §2, §3)
-and as the CPU fallback when Triton is unavailable.
+semantics (the contract: ``docs/kernel.md``, Layout and Modes) and as the CPU fallback when Triton is unavailable.
 
 Vocabulary (same as vLLM's ``RejectionSampler``):
 
@@ -211,7 +210,7 @@ def _gen(generator, seeds, r, salt=0):
 
 
 def _walk_target_only(r, row0, tok, children, probs, coins, noise, W, vocab, out, rows_out):
-    """Mode A (target-only): spec §3.2 with fixed-point cumulative sums."""
+    """Mode A (target-only, docs/kernel.md "TARGET_ONLY") with fixed-point cumulative sums."""
     cur, depth = 0, 0
     while True:
         p = probs[row0 + cur]
@@ -237,7 +236,7 @@ def _walk_target_only(r, row0, tok, children, probs, coins, noise, W, vocab, out
             excl = [tok[c - 1] for c in kids]
             t = _race(p, noise[r], excl)
             if t < 0:
-                # Zero-mass residual (spec §3.4): emit the last child with p > 0.
+                # Zero-mass residual (docs/kernel.md, zero-mass guard): emit the last child with p > 0.
                 nz = [tok[c - 1] for c in kids if tok[c - 1] < vocab and bool(p[tok[c - 1]] > 0)]
                 t = nz[-1] if nz else PLACEHOLDER_TOKEN_ID
             return depth, t

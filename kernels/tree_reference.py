@@ -1,8 +1,8 @@
 """Plain-loop reference for the DDTree tree builder (the executable spec of ``build_tree``).
 
 ``build_tree_ref`` takes the same arguments and returns the same :class:`DraftTree` as
-:func:`ddtree_patcher.kernels.build_tree`. It follows ``tree-verify-spec.md`` §1.2 (paper
-Algorithm 1) with Python's ``heapq``; it is slow and synchronises with the device. See
+:func:`ddtree_patcher.kernels.build_tree`. It is the DDTree paper's Algorithm 1 (best-first
+expansion, ``docs/tree-builder.md`` "The rules") with Python's ``heapq``; it is slow and synchronises with the device. See
 ``docs/tree-builder.md`` for the contract; the rules, in short:
 
 * **Log-probabilities.** Per request and depth d (row ``draft_logits[b, d]``): logits are read

@@ -1,6 +1,6 @@
 """Triton kernels and host wrapper for DDTree tree verification.
 
-Layout (tree-verify-spec.md §1.5-1.6): ``cu_num_draft_tokens`` is the inclusive
+Layout (docs/kernel.md, Layout): ``cu_num_draft_tokens`` is the inclusive
 cumsum of n_r; node j (1..n_r) of request r sits at flat index
 ``start_r + j - 1``; ``draft_parent_ids`` holds its LOCAL parent (0 = root);
 the target row of node (r, j) is ``start_r + r + j`` (j = 0 is the root row).
@@ -110,7 +110,7 @@ def _sampled_walk(target_probs_ptr, coins_ptr, seeds_ptr, positions_ptr, scratch
     e = tl.where(e > 0, e, 0.0)  # NaN / negative -> 0
     sib = valid
     if CHECK_DUPLICATES:
-        # A later sibling with the same token is unreachable (spec §2/§3.2).
+        # A later sibling with the same token is unreachable (docs/kernel.md: duplicate siblings).
         dup = offs < 0
         for i0 in range(0, num_nodes, DUP_CHUNK):
             io = i0 + 1 + tl.arange(0, DUP_CHUNK)
@@ -383,7 +383,7 @@ def tree_verify_reduce_kernel(
         ids = tl.load(block_idx_ptr + req_idx * NUM_VBLOCKS + b, mask=bm, other=0)
         best, where_ = tl.max(m, axis=0, return_indices=True, return_indices_tie_break_left=True)
         tok = _pick(ids, b, where_)
-        # Zero-mass residual guard (spec §3.4): the last child with p > 0.
+        # Zero-mass residual guard (docs/kernel.md): the last child with p > 0.
         fallback = tl.load(scratch_ptr + 2 * batch_size + req_idx)
         tok = tl.where(best > float("-inf"), tok, fallback)
         a = tl.load(num_accepted_ptr + req_idx)

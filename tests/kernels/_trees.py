@@ -1,4 +1,4 @@
-"""Random batched draft trees in the kernel's flat layout (spec §1.5)."""
+"""Random batched draft trees in the kernel's flat layout (docs/kernel.md, Layout)."""
 
 from __future__ import annotations
 

@@ -62,7 +62,7 @@ def _spine_len(par, tok):
 
 
 def _check_invariants(t, n, L, spine_first=False):
-    """Tree properties that hold whatever the logits (spec §1.2 I1-I4, padding rules); in
+    """Tree properties that hold whatever the logits (docs/tree-builder.md rules 3 and 5: I1-I4, padding); in
     spine-first order I3 holds within the spine (nodes 1..s) and within the rest, and the spine
     is complete (node s has no child: its rank-0 child would be on the spine)."""
     B = t.tokens.shape[0]

@@ -1,4 +1,4 @@
-"""Losslessness of sampled verification (tree-verify-spec.md §3.6).
+"""Losslessness of sampled verification (docs/kernel.md, "How losslessness is tested").
 
 Many-trial statistics run through the PyTorch reference (the Triton kernel is
 bit-identical to it on explicit coins/noise, see test_tree_verify.py); a smaller
@@ -151,7 +151,7 @@ def test_duplicate_siblings_reference_is_lossless():
 
 
 def test_multi_round_autoregressive_histogram():
-    """Gold standard (§3.6.4): 3 tokens over several rounds of tree verification
+    """The strongest check (docs/kernel.md, "How losslessness is tested", 4): 3 tokens over several rounds of tree verification
     against a synthetic p(. | last two tokens) table; compare the 3-token histogram
     with the exact product distribution."""
     Vs = 4

@@ -39,7 +39,7 @@ def _catdog():
 
 
 def test_catdog_example_from_spec():
-    """Spec §1.6: argmax dog@root, sat@dog; node 4 is a leaf -> [dog, sat, am(4)]."""
+    """docs/kernel.md worked example: argmax dog@root, sat@dog; node 4 is a leaf -> [dog, sat, am(4)]."""
     tok, par, cu = _catdog()
     am = _i32([DOG, 5, 5, SAT, 7])
     out, acc, rows = _both(tok, par, cu, target_argmax=am, width=5)
@@ -191,7 +191,7 @@ def test_mixed_batch_without_argmax_uses_probs_argmax():
 
 
 def test_onehot_sampled_reproduces_greedy():
-    """Spec §3.6.7: one-hot p in sampled mode gives exactly the greedy output."""
+    """docs/kernel.md, "How losslessness is tested", 7: one-hot p in sampled mode gives exactly the greedy output."""
     tok, par, cu, am, probs, coins, noise, _ = _rand_inputs(400, 60, 16, 12, distinct=False)
     onehot = torch.nn.functional.one_hot(am.long(), 12).to(torch.float32)
     g = tree_verify(tok, par, cu, target_argmax=am, width=8)
@@ -201,7 +201,7 @@ def test_onehot_sampled_reproduces_greedy():
 
 def test_zero_mass_residual_guard():
     """All of p on the children (rounded row sum < 1) and a coin above it: the final
-    token is the last child with p > 0, never an arbitrary id (spec §3.4)."""
+    token is the last child with p > 0, never an arbitrary id (docs/kernel.md, zero-mass guard)."""
     tok = _i32([1, 2, 3])
     par = _i32([0, 0, 0])
     p = torch.zeros(4, 6)
