@@ -69,9 +69,9 @@ ENGINES=("nospec        SPEC=0 EAGER=1 LOGPROBS=2"
          "nospec-mix-v2    $V2 SPEC=0 EAGER=1 LOGPROBS=2 $MIX"
          "dd-mix-v2        $V2 SPEC=1 EAGER=1 DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1 $MIX"
          "nospec-mix-v2-pw $V2 SPEC=0 EAGER=0 CG_MODE=PIECEWISE LOGPROBS=2 $MIX"
-         "dd-mix-v2-pw     $V2 SPEC=1 EAGER=0 CG_MODE=PIECEWISE DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1 $MIX"
+         "dd-mix-v2-pw     $V2 SPEC=1 EAGER=0 CG_MODE=PIECEWISE DIAG_ALLOW_PW034=1 DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1 $MIX"
          "nospec-mix-v2-fg $V2 SPEC=0 EAGER=0 CG_MODE=FULL_AND_PIECEWISE LOGPROBS=2 $MIX"
-         "dd-mix-v2-fg     $V2 SPEC=1 EAGER=0 CG_MODE=FULL_AND_PIECEWISE DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1 $MIX"
+         "dd-mix-v2-fg     $V2 SPEC=1 EAGER=0 CG_MODE=FULL_AND_PIECEWISE DIAG_ALLOW_PW034=1 DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1 $MIX"
          "s-nospec         SPEC=0 EAGER=0 CG_MODE=FULL_AND_PIECEWISE SEED_BASE=0 $SAMPLED"
          "s-dd             SPEC=1 EAGER=0 CG_MODE=FULL_AND_PIECEWISE SEED_BASE=1000000 DDTREE_PATCH_ENABLE=1 $SAMPLED"
          "s-nospec-v2      $V2 SPEC=0 EAGER=0 CG_MODE=FULL_AND_PIECEWISE SEED_BASE=0 $SAMPLED"
@@ -79,7 +79,16 @@ ENGINES=("nospec        SPEC=0 EAGER=1 LOGPROBS=2"
          "sd1              SPEC=1 EAGER=0 CG_MODE=FULL_AND_PIECEWISE DDTREE_PATCH_ENABLE=1 $SEEDED N_PROMPTS=1"
          "sd2              SPEC=1 EAGER=0 CG_MODE=FULL_AND_PIECEWISE DDTREE_PATCH_ENABLE=1 $SEEDED N_PROMPTS=2"
          "sd1-v2           $V2 SPEC=1 EAGER=0 CG_MODE=FULL_AND_PIECEWISE DDTREE_PATCH_ENABLE=1 $SEEDED N_PROMPTS=1"
-         "sd2-v2           $V2 SPEC=1 EAGER=0 CG_MODE=FULL_AND_PIECEWISE DDTREE_PATCH_ENABLE=1 $SEEDED N_PROMPTS=2")
+         "sd2-v2           $V2 SPEC=1 EAGER=0 CG_MODE=FULL_AND_PIECEWISE DDTREE_PATCH_ENABLE=1 $SEEDED N_PROMPTS=2"
+         # vLLM 0.34.0, mixed batches: FULL decode graphs (the mode the runtime allows there), and the
+         # diagnosis of the PIECEWISE divergences (DIAG_ALLOW_PW034: the runtime's refusal lifted), each
+         # against nospec-mix-v2-pw: compiled without graphs (cg0); PIECEWISE through breakable CUDA
+         # graphs without torch.compile (bnc) and with it (brk); LayerName opaque types off (ln0)
+         "dd-mix-v2-fdo    $V2 SPEC=1 EAGER=0 CG_MODE=FULL_DECODE_ONLY DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1 $MIX"
+         "dd-mix-v2-cg0    $V2 SPEC=1 EAGER=0 CG_MODE=NONE DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1 $MIX"
+         "dd-mix-v2-pw-bnc $V2 SPEC=1 EAGER=0 CG_MODE=PIECEWISE DIAG_ALLOW_PW034=1 VLLM_USE_BREAKABLE_CUDAGRAPH=1 LLM_KW={\"compilation_config\":{\"mode\":0}} DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1 $MIX"
+         "dd-mix-v2-pw-brk $V2 SPEC=1 EAGER=0 CG_MODE=PIECEWISE DIAG_ALLOW_PW034=1 VLLM_USE_BREAKABLE_CUDAGRAPH=1 DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1 $MIX"
+         "dd-mix-v2-pw-ln0 $V2 SPEC=1 EAGER=0 CG_MODE=PIECEWISE DIAG_ALLOW_PW034=1 VLLM_USE_LAYERNAME=0 DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1 $MIX")
 
 . "$REPO/scripts/_gpu_bundle.sh"
 
@@ -105,7 +114,7 @@ stage2)
     set -- $e; tag=$1; shift
     engine_pending "$tag" "${BUDGET:-420}" 40 || continue
     ph "$tag (limit ${left}s)"
-    ( unset DDTREE_PATCH_ENABLE CONTROL CG_MODE LOGPROBS SYNC_DEBUG; export VLLM_USE_V2_MODEL_RUNNER=0 TAG=$tag "$@"
+    ( unset DDTREE_PATCH_ENABLE CONTROL CG_MODE LOGPROBS SYNC_DEBUG LLM_KW DIAG_ALLOW_PW034 VLLM_USE_BREAKABLE_CUDAGRAPH VLLM_USE_LAYERNAME; export VLLM_USE_V2_MODEL_RUNNER=0 TAG=$tag "$@"
       timeout "$left" python3 "$REPO/tests/patches/ddtree_tree_step/run_tree_engine.py" > "$L/$tag.log" 2>&1 )
     echo "rc=$?"; grep -E "ddtree-patch: (tree|DDTree)|Error|error" "$L/$tag.log" | cut -c1-300 | head -6
   done
@@ -134,6 +143,8 @@ def ref_of(tag):
         return NOSPEC_REFS[tag]
     parts = tag.split("-")
     mode = "-fg" if "fg" in parts else "-pw" if "pw" in parts else ""
+    if {"fdo", "cg0"} & set(parts):  # the 0.34.0 mixed engines: against the PIECEWISE no-spec engine
+        mode = "-pw"
     return "nospec" + ("-mix" if "mix" in parts else "") + ("-v2" if "v2" in parts else "") + mode
 
 def compare(r, ref):

@@ -14,12 +14,13 @@ mixed (prefix-sharing, long and short prompts, per-request max_tokens, greedy tr
 with chain-routed ones: penalties, logprobs), sampled (N_PROMPTS copies of one prompt, temperature 1,
 per-request seeds SEED_BASE + i, MAX_TOKENS each)); engine knobs PREFIX_CACHING=1, BLOCK_SIZE,
 MAX_NUM_SEQS, MAX_MODEL_LEN, NUM_BLOCKS (num_gpu_blocks_override: a tight KV cache forces
-preemption), MAX_BATCHED_TOKENS; KERNELS=reference (once the engine is built, TRITON_INTERPRET is
+preemption), MAX_BATCHED_TOKENS; LLM_KW (a JSON dict merged into LLM()'s arguments, one level deep); KERNELS=reference (once the engine is built, TRITON_INTERPRET is
 removed from the environment: vLLM's Triton kernels stay interpreted (decorated at import), while
 ddtree_patcher's runtime, which decides per call, takes its torch reference tree builder and tree
 walk (``kernels/tree_reference.py``, ``kernels/reference.py``, proven equal to the Triton kernels by tests/kernels) instead of
 the interpreted Triton kernels: ~0.45 s per request and step for the builder alone under the
-interpreter, the cost that makes large CPU runs impractical); CONTROL=no-compaction (a negative control: the tree step runs but leaves
+interpreter, the cost that makes large CPU runs impractical); DIAG_ALLOW_PW034=1 (diagnosis: lifts the runtime's refusal of PIECEWISE graphs on vLLM 0.34.0's FA forward);
+CONTROL=no-compaction (a negative control: the tree step runs but leaves
 the KV where the tree put it; the engine runs in-process, so the class is patched here). The result carries the generated tokens and, for a DDTree run, the
 counters of the tree walk (``hook.live_steps()``), of the tree-shaped target step
 (``runtime.tree_step``) and of the DDTree drafter, and vLLM's own Prometheus counters
@@ -51,6 +52,11 @@ def main() -> None:
 
         res["vllm"] = vllm.__version__
         res["vllm_file"] = vllm.__file__
+        if os.environ.get("DIAG_ALLOW_PW034") == "1":  # diagnosis only (in-process engine): lift the runtime's
+            from ddtree_patcher.runtime import tree_step as _ts  # refusal of PIECEWISE graphs on 0.34.0's FA forward
+
+            _ts.refuse_piecewise_fa034 = lambda *a, **k: None
+            res["diag_allow_pw034"] = True
         if os.environ.get("CONTROL") == "no-compaction":
             from ddtree_patcher.runtime import tree_step as _ts
 
@@ -101,6 +107,11 @@ def main() -> None:
             kw["compilation_config"] = {"cudagraph_mode": os.environ["CG_MODE"]}
             if os.environ.get("CG_SIZES"):  # e.g. "72": every decode batch padded to 8 requests of 9 rows
                 kw["compilation_config"]["cudagraph_capture_sizes"] = [int(x) for x in os.environ["CG_SIZES"].split(",")]
+        if os.environ.get("LLM_KW"):  # a JSON dict merged into LLM()'s arguments (dicts one level deep), e.g.
+            # '{"compilation_config": {"pass_config": {...}}, "kernel_config": {"enable_jit_warmup": false}}'
+            for k, v in json.loads(os.environ["LLM_KW"]).items():
+                kw[k] = {**kw[k], **v} if isinstance(v, dict) and isinstance(kw.get(k), dict) else v
+            res["llm_kw"] = json.loads(os.environ["LLM_KW"])
         res["eager"], res["cg_mode"], res["dtype"] = eager, os.environ.get("CG_MODE"), kw["dtype"]
         if spec:
             kw["speculative_config"] = {"method": "dflash", "model": f"{root}/dflash",
