@@ -106,6 +106,7 @@ TIERS: dict[str, tuple | dict] = {
         "test_mixed_drafter_on_v1_end_to_end_vllm_cpu": ("engine",)},
     "patches/test_switches.py": (),
     "patches/test_tree_walk_hook.py": {"*": (), "test_unit": ("vllm_runtime",), "test_end_to_end_vllm_cpu": ("engine",)},
+    "runtime/test_budget_policy.py": (),
     "runtime_matrix/test_harness.py": (),
     "runtime_matrix/test_runtime_matrix.py": ("engine", "torch_env"),
 }
