@@ -35,8 +35,9 @@ through the accounting's pinned copy: no synchronisation is needed to decide):
 * **exploration**: a budget above the exploited one whose last acceptance data is older than
   ``explore_period`` steps is tried for one step, the largest such one when ``counterfactual`` (its walk
   measures every smaller prefix too), else the stalest; the extra time of exploration steps is kept
-  within ``explore_fraction`` of the estimated time of all steps (plus ``warmup`` free tries of budgets
-  never observed). Exploration steps are the only steps whose pick may be below the chain; they are
+  within ``explore_fraction`` of the estimated time of all steps, plus ``warmup`` tries (default: one
+  per candidate above the chain) of budgets never observed or never timed (online costs: a budget's
+  step time is known once it ran). Exploration steps are the only steps whose pick may be below the chain; they are
   bounded by that fraction.
 
 Deterministic (no random numbers): the same inputs give the same picks.
@@ -81,7 +82,7 @@ class BudgetPolicy:
 
     def __init__(self, budgets, chain: int, *, max_budget: int | None = None, z: float = 2.0,
                  hysteresis: float = 0.03, min_dwell: int = 16, explore_period: int = 32,
-                 explore_fraction: float = 0.02, warmup: int = 2, half_life: float = 128.0,
+                 explore_fraction: float = 0.02, warmup: int | None = None, half_life: float = 128.0,
                  cost_noise: float = 0.01, var_floor: float = 0.25, cost_alpha: float = 0.1,
                  counterfactual: bool = True):
         chain = int(chain)
@@ -98,7 +99,8 @@ class BudgetPolicy:
         self.candidates = tuple(sorted(cands))
         self.z, self.hysteresis, self.min_dwell = float(z), float(hysteresis), int(min_dwell)
         self.explore_period, self.explore_fraction = int(explore_period), float(explore_fraction)
-        self.warmup, self.half_life = int(warmup), float(half_life)
+        self.warmup = len(self.candidates) - 1 if warmup is None else int(warmup)
+        self.half_life = float(half_life)
         self.cost_noise, self.var_floor, self.cost_alpha = float(cost_noise), float(var_floor), float(cost_alpha)
         self.counterfactual = bool(counterfactual)
         self._cost: dict[int, dict[int, float]] = {b: {} for b in self.candidates}
@@ -270,17 +272,22 @@ class BudgetPolicy:
         return "none" if seen is None else f"{self.step - seen} steps old"
 
     def _exploration(self, B: int, exploit: int) -> int | None:
-        """A budget above ``exploit`` to try this step, within the exploration allowance, or None."""
-        stale = [b for b in self.candidates if b > exploit and self._stale(b) and self.cost(b, B) is not None]
+        """A budget above ``exploit`` to try this step, within the exploration allowance, or None. A
+        budget never observed or never timed (no cost at any B) is tried once, as a warm-up try."""
+        stale = [b for b in self.candidates if b > exploit and self._stale(b)]
         if not stale or B <= 0:
             return None
-        if self.counterfactual:
-            target = max(stale)
-        else:
-            target = min(stale, key=lambda b: (-1 if self._acc[b].seen is None else self._acc[b].seen, -b))
-        if self._acc[target].seen is None and self._warm_used < self.warmup:
+        fresh = [b for b in stale if self._acc[b].seen is None or not self._cost[b]]
+        if fresh and self._warm_used < self.warmup:
             self._warm_used += 1
-            return target
+            return max(fresh)
+        costed = [b for b in stale if self.cost(b, B) is not None]
+        if not costed:
+            return None
+        if self.counterfactual:
+            target = max(costed)
+        else:
+            target = min(costed, key=lambda b: (-1 if self._acc[b].seen is None else self._acc[b].seen, -b))
         extra = max(0.0, self.cost(target, B) - (self.cost(exploit, B) or 0.0))
         if self._explore_extra + extra <= self.explore_fraction * (self._time + self.cost(target, B)):
             return target
