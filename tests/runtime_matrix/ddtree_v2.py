@@ -79,6 +79,7 @@ class Release:
         self.site, self.ckpt = e2e_site(work, cli, release)
         self.v2_only = not (self.site / "vllm/v1/worker/gpu_model_runner.py").exists()  # 0.34.0: V1 removed
         evidence = v2_cpu.needed_at(self.site)
+        evidence = evidence and evidence.replace(f"{self.site}/", "")  # the path inside the site, not the temp folder
         self.expected_shims = [{"name": v2_cpu.NAME, "evidence": evidence}] if evidence else []
         self.runs: dict = {}
         self._n = 0
@@ -161,6 +162,29 @@ def mixed(r: Release) -> dict:
 FUNCTIONS = {"faithful": faithful, "basic": basic, "mixed": mixed}
 
 
+def installed_code() -> str:
+    """Whether the ddtree_patcher the engines import (the test environment's installed copy: patches
+    run from it) is this checkout's ddtree_patcher/, patches/ and kernels/, file for file: "same as the
+    checkout", or the files that differ (a shared checkout's install can lag or lead its commits)."""
+    import sysconfig
+
+    inst = Path(sysconfig.get_paths()["purelib"]) / "ddtree_patcher"
+    pairs = {"": REPO / "ddtree_patcher", "patches": REPO / "patches", "kernels": REPO / "kernels"}
+    diff = []
+    for sub, src in pairs.items():
+        mine = {p.relative_to(src) for p in src.rglob("*.py")}
+        if sub == "":
+            mine = {p for p in mine if p.parts[0] not in ("patches", "kernels")}
+        theirs = {p.relative_to(inst / sub) for p in (inst / sub).rglob("*.py")} if (inst / sub).is_dir() else set()
+        if sub == "":
+            theirs = {p for p in theirs if p.parts[0] not in ("patches", "kernels")}
+        for rel in sorted(mine | theirs):
+            a, b = src / rel, inst / sub / rel
+            if not (a.is_file() and b.is_file() and a.read_bytes() == b.read_bytes()):
+                diff.append(str(Path(sub or "ddtree_patcher") / rel))
+    return "same as the checkout" if not diff else "differs from the checkout: " + ", ".join(diff[:20])
+
+
 def run_release(release: str, work: Path, cli) -> dict:
     """The V2 record of one release for docs/runs/runtime-matrix.json (its ``ddtree_v2`` section):
     every cell, what it measured or why it failed, and the verdicts ``checks["ddtree.v2.<cell>"]``
@@ -176,7 +200,7 @@ def run_release(release: str, work: Path, cli) -> dict:
     python = envs.python_for(pin)
     _, overridden = envs.overlays(info, python)
     rec: dict = {"release": release, "dist": dist(release), "date": datetime.date.today().isoformat(),
-                 "ddtree_patch": _commit(), "harness": _commit("tests"), "runner": "V2",
+                 "ddtree_patch": _commit(), "installed": installed_code(), "harness": _commit("tests"), "runner": "V2",
                  "env": {"CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1", "torch_pin": pin,
                          "python": "test environment" if python == sys.executable else f"envs/torch-{pin}",
                          "overridden": overridden}}
