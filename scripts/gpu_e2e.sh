@@ -22,21 +22,18 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 O=${OUT:-/tmp/out}; mkdir -p "$O"
 T0=$(date +%s)
 ph() { echo "=== PHASE $1 at +$(( $(date +%s) - T0 ))s"; }
+. "$REPO/scripts/_gpu_bundle.sh"
 case "${1:-}" in
 stage1)
-  mkdir -p /tmp/vb && cp "$REPO"/.bundle/01/* /tmp/vb/ && ls -la /tmp/vb
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/tools "$REPO"/.whl/*.whl \
-    && python3 -c "import sys; sys.path.insert(0, '/tmp/tools'); import libcst; print('libcst', libcst.__file__)"
-  nvidia-smi -L
+  bundle_stage1
   exit 0 ;;
 stage2) ;;
 *) echo "usage: gpu_e2e.sh stage1|stage2" >&2; exit 2 ;;
 esac
 
 ph install
-cp "$REPO"/.bundle/02/* /tmp/vb/ || exit 3
-eval "$(bash /tmp/vb/device_install.sh | tee "$O/install.log" | grep '^export ')" || exit 4
-export PYTHONPATH=/tmp/site:/tmp/tools:$REPO PYTHONUNBUFFERED=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 ROOT=/tmp/tiny
+bundle_install
+export ROOT=/tmp/tiny
 python3 - "$REPO" <<'PY' || exit 5
 import pathlib, sys, tomllib
 repo = pathlib.Path(sys.argv[1])

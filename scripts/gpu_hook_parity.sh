@@ -41,10 +41,8 @@ PYEXE=python3
 run_configs() {  # SITE_ENV_DONE: PYTHONPATH etc. exported; runs what is not done yet
   for cfg in "${CONFIGS[@]}"; do
     set -- $cfg
-    [ -f "$L/$1.log" ] && grep -q '^RESULT .*"ok": true' "$L/$1.log" && continue
-    case " ${ONLY:-$1} " in *" $1 "*) ;; *) continue ;; esac  # ONLY="v1-eager v2-graphs": just those
-    left=$(( ${BUDGET:-330} - ($(date +%s) - T0) ))
-    if [ $left -lt "$5" ]; then echo "SKIP $1 (needs ~$5 s, ${left} s left: run this stage again)"; continue; fi
+    # not finished in $L, selected by ONLY ("v1-eager v2-graphs": just those), and its seconds left
+    engine_pending "$1" "${BUDGET:-330}" "$5" || continue
     ph "$1 (limit ${left}s)"
     ( export VLLM_USE_V2_MODEL_RUNNER=$2
       TAG=$1 EAGER=$3 ENGINES=$4 SYNC_DEBUG=$SYNC timeout "$left" \

@@ -19,16 +19,18 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 O=${OUT:-/tmp/out}; mkdir -p "$O"
 T0=$(date +%s)
 ph() { echo "=== PHASE $1 at +$(( $(date +%s) - T0 ))s"; }
+. "$REPO/scripts/_gpu_bundle.sh"
 case "${1:-}" in
-stage1) exec bash "$REPO/scripts/gpu_e2e.sh" stage1 ;;
+stage1)
+  bundle_stage1
+  exit 0 ;;
 stage2) ;;
 *) echo "usage: gpu_swa_e2e.sh stage1|stage2" >&2; exit 2 ;;
 esac
 
 ph install
-cp "$REPO"/.bundle/02/* /tmp/vb/ || exit 3
-eval "$(bash /tmp/vb/device_install.sh | tee "$O/install.log" | grep '^export ')" || exit 4
-export PYTHONPATH=/tmp/site:/tmp/tools:$REPO PYTHONUNBUFFERED=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 ROOT=/tmp/tiny
+bundle_install
+export ROOT=/tmp/tiny
 
 ph ckpt
 DRAFT_LAYER_TYPES=sliding_attention,full_attention DRAFT_WINDOW=4 \

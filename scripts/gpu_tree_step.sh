@@ -20,12 +20,12 @@
 #
 # CPU smoke of the script and the bench (no GPU, no bundle; Triton interpreter, FA3 emulated):
 #   bash scripts/gpu_tree_step.sh smoke
-# Overrides (for testing the script): OUT, SITE (/tmp/site), VB (/tmp/vb), PYEXE, BENCH_ARGS.
+# The bundle steps are scripts/_gpu_bundle.sh's (/tmp/vb, /tmp/site); a broken or missing bundle
+# only costs the FA columns. Overrides (for testing the script): OUT, PYEXE, BENCH_ARGS.
 set -u
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 O=${OUT:-/tmp/out}; mkdir -p "$O"
-SITE=${SITE:-/tmp/site}
-VB=${VB:-/tmp/vb}
+SITE=/tmp/site  # where bundle_install unpacks
 PY=${PYEXE:-python3}
 T0=$(date +%s)
 ph() { echo "=== PHASE $1 at +$(( $(date +%s) - T0 ))s"; }
@@ -43,22 +43,23 @@ bench() {  # bench PYTHONPATH [args...]: one run of the benchmark, log in $O/ben
 
 finished() { grep -q '^TREE-STEP-BENCH ' "$O/bench_tree_step.log"; }
 
+. "$REPO/scripts/_gpu_bundle.sh"
+
 case "${1:-}" in
 stage1)
-  mkdir -p "$VB"
   if [ -d "$REPO/.bundle/01" ]; then
-    cp "$REPO"/.bundle/01/* "$VB"/ && ls -la "$VB" | tail -3
+    bundle_stage1
   else
     echo "no .bundle/01 here: stage2 will run the bench without vLLM (FA columns n/a)"
+    nvidia-smi -L
   fi
-  nvidia-smi -L
   exit 0 ;;
 stage2)
   ph install
   if [ ! -f "$SITE/.bundle-sha256" ] && [ -d "$REPO/.bundle/02" ]; then
-    mkdir -p "$VB"
-    cp "$REPO"/.bundle/02/* "$VB"/ && bash "$VB/device_install.sh" "$VB" "$SITE" > "$O/install.log" 2>&1
-    echo "device_install rc=$?"; tail -3 "$O/install.log"
+    # in a subshell: a failed install (its exit) leaves this script to run the bench without vLLM;
+    # bench() sets the environment each run needs itself
+    ( bundle_install ); echo "bundle_install rc=$?"; tail -3 "$O/install.log"
   fi
   if [ -f "$SITE/.bundle-sha256" ]; then
     ph "bench with vLLM FA3 ($SITE)"
