@@ -53,6 +53,18 @@ plus the token the target emits at the end of the path), chain spine = 1 + mean 
 length, the percentage their ratio, budget the verify nodes per request (``DDTREE_PATCH_BUDGET``),
 B the mean walked requests per step; all over the interval since the previous line.
 
+**Prefix budgets** (issue 35.2, ``DDTREE_PATCH_BUDGET=auto``; :meth:`Accounting.track`): for each candidate
+budget b, what the tree's first b nodes alone would have accepted (:func:`prefix_lengths`): the number
+of leading accepted depths whose node has local index <= b. In node order a prefix is a subtree and
+indices grow along a path; the walk takes, among a node's children, the lowest-indexed one whose token
+is the target's (greedy) or the first whose cumulative target probability exceeds the node's uniform
+(sampled), so on the prefix it follows the full tree's path until that path leaves the prefix: exact for
+greedy, and for sampled the prefix's acceptance under the walk's own uniforms (tested against the
+truncated tree's own walk in tests/patches/test_budget_auto.py). A budget counts only in steps whose
+widest request had at least b nodes. Device sums per budget, host request counts; read on the host
+lagged (:meth:`Accounting.prefix_snapshot`: CPU directly, CUDA from a pinned copy whose event has
+completed: no wait).
+
 Diagnostic recording (tests): with ``DDTREE_ACCOUNTING_RECORD=<path>`` every walk appends one JSON
 line with its inputs and outputs (draft tokens, parents, ``cu``, the target argmax rows, the greedy
 flags, the tree mask, accepted rows and lengths, the spine lengths): host copies, i.e. host
@@ -101,6 +113,24 @@ def spine_lengths(rows, num_acc):
     return on.to(torch.int32).cumprod(1).sum(1, dtype=torch.int32)
 
 
+def prefix_lengths(rows, num_acc, budgets):
+    """Per budget and request: the accepted length the first ``budgets[i]`` nodes of the tree alone
+    would have had (``[len(budgets), B]`` int32, device): the leading accepted depths d <= ``num_acc``
+    whose node's local index ``rows[d] - rows[0]`` is at most the budget. ``budgets``: an int tensor
+    on the rows' device."""
+    import torch
+
+    W = rows.shape[1]
+    key = (rows.device, W, rows.dtype)
+    d = _STEPS.get(key)
+    if d is None:
+        d = _STEPS[key] = torch.arange(1, W, device=rows.device, dtype=rows.dtype)
+    local = rows[:, 1:] - rows[:, :1]  # [B, W-1]
+    on = (d <= num_acc.to(rows.dtype)[:, None]) & (local >= 1)
+    inside = (local[None] <= budgets.to(rows.dtype)[:, None, None]) & on[None]  # [nb, B, W-1]
+    return inside.to(torch.int32).cumprod(2).sum(2, dtype=torch.int32)
+
+
 def greedy_spine_ref(tokens, parents, argmax_rows, s: int) -> int:
     """The chain's accepted length by definition (host, one request; for tests and the offline
     recomputation): the longest prefix of the spine (nodes 1..s, node d's parent d - 1) whose
@@ -135,12 +165,29 @@ class Accounting:
         self._mark = (time.monotonic(), 0, 0, 0, 0)  # time, steps, requests, tree, spine at the last line
         self._record = os.environ.get(ENV_RECORD) or None
         self._verify_in = None
+        self.prefix_budgets: tuple[int, ...] = ()  # track(): candidate budgets counted per step
+
+    def track(self, budgets) -> None:
+        """Count, from now on, every walk's accepted length at each of ``budgets`` (prefix budgets)."""
+        import torch
+
+        self.prefix_budgets = tuple(sorted({int(b) for b in budgets}))
+        n = len(self.prefix_budgets)
+        self._prefix_b = torch.tensor(self.prefix_budgets, dtype=torch.int32, device=self.device)
+        self.prefix_sums = torch.zeros(n, dtype=torch.int64, device=self.device)
+        self.prefix_requests = [0] * n  # host: walked requests of the steps each budget counted in
+        self._prefix_snap = ([0] * n, [0] * n)
+        if self._cuda:
+            self._prefix_host = torch.zeros(n, dtype=torch.int64, pin_memory=True)
+            self._prefix_event = None
+            self._prefix_reqs = None
 
     # ---- in the step (no host synchronisation) -------------------------------------------------
-    def step(self, rows, num_acc, tree_mask, requests: int):
+    def step(self, rows, num_acc, tree_mask, requests: int, width: int | None = None):
         """Account one walk: returns the spine lengths ``[B]`` (int32, device; chain-verified
         requests: their chain's accepted length). ``requests``: walked requests with draft tokens
-        (host-known)."""
+        (host-known); ``width``: the most draft tokens of a request in the step (host-known; default:
+        the rows' width - 1), which prefix budgets count."""
         import torch
 
         spine = spine_lengths(rows, num_acc)
@@ -149,8 +196,41 @@ class Accounting:
             self.sums.add_(both.sum(1, dtype=torch.int64))
             self.steps += 1
             self.requests += int(requests)
+            if self.prefix_budgets:
+                self._prefix_step(rows, num_acc, tree_mask, int(requests),
+                                  rows.shape[1] - 1 if width is None else int(width))
         self._maybe_log()
         return spine
+
+    def _prefix_step(self, rows, num_acc, tree_mask, requests: int, width: int) -> None:
+        """The prefix budgets' sums of one walk (device), their request counts (host); on CUDA a
+        non-blocking copy to the host whenever the previous one has landed."""
+        import torch
+
+        valid = self._prefix_b <= width  # a budget wider than the step's trees is no counterfactual
+        pre = prefix_lengths(rows, num_acc, self._prefix_b) * tree_mask[None] * valid[:, None]
+        self.prefix_sums.add_(pre.sum(1, dtype=torch.int64))
+        for i, b in enumerate(self.prefix_budgets):
+            if b <= width:
+                self.prefix_requests[i] += requests
+        if self._cuda and (self._prefix_event is None or self._prefix_event.query()):
+            if self._prefix_event is not None:  # landed: host memory
+                self._prefix_snap = (self._prefix_host.tolist(), self._prefix_reqs)
+            self._prefix_host.copy_(self.prefix_sums, non_blocking=True)
+            self._prefix_event = torch.cuda.Event()
+            self._prefix_event.record()
+            self._prefix_reqs = list(self.prefix_requests)
+
+    def prefix_snapshot(self) -> tuple[tuple[int, ...], list[int], list[int]]:
+        """(budgets, accepted-token sums, request counts) as far as the host sees them now, cumulative
+        since :meth:`track`: CPU exactly, CUDA as of the last copy that has landed (no wait)."""
+        if not self.prefix_budgets:
+            return (), [], []
+        if not self._cuda:
+            return self.prefix_budgets, self.prefix_sums.tolist(), list(self.prefix_requests)
+        if self._prefix_event is not None and self._prefix_event.query():
+            self._prefix_snap = (self._prefix_host.tolist(), self._prefix_reqs)
+        return self.prefix_budgets, list(self._prefix_snap[0]), list(self._prefix_snap[1])
 
     def _maybe_log(self) -> None:
         now = time.monotonic()

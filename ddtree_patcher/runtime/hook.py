@@ -569,7 +569,7 @@ class TreeStep:
         self.tree_rows[:B].copy_(tree_mask)
         # tree vs spine (device; the walked requests with draft tokens are host-known)
         walked = int((ro.tree & (ro.num_draft > 0)).sum())
-        spine = self.accounting.step(rows, num_acc, tree_mask, walked)
+        spine = self.accounting.step(rows, num_acc, tree_mask, walked, width=ro.maxn)
         self.spine_accepted[:B].copy_(spine)
         self.accounting.record_step(rows, num_acc, tree_mask, spine, ro.num_draft)
         self.num_reqs = B
