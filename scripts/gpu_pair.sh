@@ -1,0 +1,88 @@
+#!/bin/bash
+# gpu_pair.sh STAGE : issue 36 on the GPU machine: train a small Qwen3 target + DFlash drafter on the
+# device's Python standard library (benchmarks/pair/train.py), then measure chain vs DDTree in the
+# patched vLLM bundle (benchmarks/pair/measure.py: one process per engine).
+#
+#   train    needs only the device's torch/tokenizers/safetensors (no bundle): writes the pair to
+#            $REPO/.pair (git-ignored: it stays on the warm machine for the next call).
+#            TRAIN_MINUTES (default 6.5: the script's own wall cap), SEED (0), TRAIN_ARGS (more flags).
+#   measure  the bundle staged beforehand (gpu_tree_e2e.sh stage1 for every part: /tmp/vb; or the
+#            parts carried in .bundle/0*), unpacked to /tmp/site once, the whole patch series applied
+#            once, then the engines (ENGINES, default nospec,chain,dd15,dd31,dd63) within
+#            MEASURE_BUDGET s (default 480). A second call on the same machine keeps the engines
+#            already finished (their results in /tmp/pair_logs) and runs the rest; RERUN=1 reruns all.
+#            N_PROMPTS (64), N_B1 (prompts at B = 1, 16), MAX_TOKENS (128), BATCHES (1,8,32),
+#            TEMP1_BATCHES (32), CG_MODE (FULL_DECODE_ONLY; EAGER=1: no CUDA graphs), COMPILE (0: no
+#            torch.compile, CUDA graphs still captured; unset it for vLLM's default compilation),
+#            GPU_MEM (0.3).
+#   all      train then measure in one call (TRAIN_MINUTES + MEASURE_BUDGET must fit the call).
+# Outputs under $OUT (flat, at most 8 files): train_report.json, train.log, pair_record.json (the
+# docs/runs record), pair_full.json (with tokens), pair_logs.tgz (one log per engine), apply.log,
+# install.log.
+#
+# On vLLM 0.34.0 (V2 runner only): the runtime refuses PIECEWISE CUDA graphs with DDTree, so every
+# engine runs FULL_DECODE_ONLY (the same mode for all: a fair comparison).
+#   run(carry=[".bundle/01", ".whl"], command="bash scripts/gpu_tree_e2e.sh stage1")
+#   run(carry=[".bundle/02"],         command="bash scripts/gpu_tree_e2e.sh stage1")
+#   run(carry=[".bundle/03"],         command="bash scripts/gpu_tree_e2e.sh stage1")
+#   run(command="bash scripts/gpu_pair.sh train")
+#   run(command="bash scripts/gpu_pair.sh measure")      # again if engines were left (SKIP lines)
+set -u
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+O=${OUT:-/tmp/out}; mkdir -p "$O"
+PAIR=${PAIR:-$REPO/.pair}
+L=${LOGS:-/tmp/pair_logs}; mkdir -p "$L"
+T0=$(date +%s)
+ph() { echo "=== PHASE $1 at +$(( $(date +%s) - T0 ))s"; }
+. "$REPO/scripts/_gpu_bundle.sh"
+
+train() {
+  ph train
+  nvidia-smi -L
+  python3 -c "import torch, tokenizers, safetensors; print('torch', torch.__version__, 'tokenizers', tokenizers.__version__)"
+  python3 "$REPO/benchmarks/pair/train.py" --out "$PAIR" --device cuda --minutes "${TRAIN_MINUTES:-6.5}" \
+    --seed "${SEED:-0}" ${TRAIN_ARGS:-} 2>&1 | tee "$O/train.log"
+  local rc=${PIPESTATUS[0]}
+  cp -f "$PAIR/train_report.json" "$O/" 2>/dev/null
+  du -sh "$PAIR"/* 2>/dev/null
+  [ "$rc" = 0 ] || { echo "PAIR-TRAIN FAIL rc=$rc"; exit 6; }
+  echo "PAIR-TRAIN ok"
+}
+
+install_site() {  # the bundle's parts from /tmp/vb (staged by stage1 calls) or carried now
+  bundle_libcst
+  if [ ! -f /tmp/site/.bundle-sha256 ]; then
+    mkdir -p /tmp/vb
+    for d in "$REPO"/.bundle/0*/; do [ -d "$d" ] && { cp -f "$d"* /tmp/vb/ || exit 3; }; done
+    eval "$(bash /tmp/vb/device_install.sh | tee "$O/install.log" | grep '^export ')" || exit 4
+  fi
+  export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=/tmp/site:/tmp/tools:$REPO PYTHONUNBUFFERED=1 \
+    VLLM_ENABLE_V1_MULTIPROCESSING=0
+}
+
+measure() {
+  local tm=$(date +%s)
+  [ -f "$PAIR/dflash/model.safetensors" ] || { echo "no trained pair in $PAIR: run the train stage first"; exit 7; }
+  ph install
+  install_site
+  ph apply
+  bundle_apply_series
+  grep -E "^(PATCH|[a-z-]+ +(applied|upstream|not-applicable|pending))" "$O/apply.log" 2>/dev/null | cut -c1-60
+  ph engines
+  export COMPILE=${COMPILE-0} GPU_MEM=${GPU_MEM:-0.3}
+  [ -n "$COMPILE" ] || unset COMPILE
+  left=$(( ${MEASURE_BUDGET:-480} - ($(date +%s) - tm) ))  # MEASURE_BUDGET counts install and apply too
+  python3 "$REPO/benchmarks/pair/measure.py" --pair "$PAIR" --record "$O/pair_record.json" --full "$O/pair_full.json" \
+    --logs "$L" --engines "${ENGINES:-nospec,chain,dd15,dd31,dd63}" --batches "${BATCHES:-1,8,32}" \
+    --temp1-batches "${TEMP1_BATCHES-32}" --n-prompts "${N_PROMPTS:-64}" --n-b1 "${N_B1:-16}" \
+    --max-tokens "${MAX_TOKENS:-128}" --cg-mode "${CG_MODE:-FULL_DECODE_ONLY}" --budget-s "$left" \
+    $([ "${EAGER:-0}" = 1 ] && echo --eager) $([ "${RERUN:-0}" = 1 ] && echo --rerun)
+  tar czf "$O/pair_logs.tgz" -C "$L" . 2>/dev/null
+}
+
+case "${1:-}" in
+train) train ;;
+measure) measure ;;
+all) train; measure ;;
+*) echo "usage: gpu_pair.sh train|measure|all" >&2; exit 2 ;;
+esac
