@@ -60,7 +60,8 @@ import weakref
 from typing import Any
 
 from .switches import (  # noqa: F401  (DEFAULT_BUDGET, MAX_BUDGET: this module's public names)
-    DEFAULT_BUDGET, ENV_BUDGET, ENV_CHAIN, ENV_ENABLE, MAX_BUDGET, DDTreeConfigError, budget_from_env, switch,
+    DEFAULT_BUDGET, ENV_AUTO_CYCLE, ENV_BUDGET, ENV_CHAIN, ENV_ENABLE, MAX_BUDGET, DDTreeConfigError, auto_cycle,
+    budget_auto, budget_from_env, switch,
 )
 
 DDTREE_ABI = 1  # the call-site <-> runtime contract; bump on any incompatible change
@@ -103,7 +104,7 @@ def mode_line() -> str:
         raise DDTreeConfigError(f"ddtree-patch: {ENV_ENABLE}=1 and {ENV_CHAIN}=1 exclude each other "
                                 "(DDTree trees, or the chain-as-tree diagnostic)")
     if enable:
-        return f"mode=ddtree budget={budget_from_env()}"
+        return f"mode=ddtree budget={'auto:' if budget_auto() else ''}{budget_from_env()}"
     if chain:
         return "mode=chain-as-tree"
     return "mode=off"
@@ -227,6 +228,33 @@ def refuse_v1_budget(budget: int) -> None:
             f"The largest budget on this runner is {limit}")
 
 
+# ---- DDTREE_PATCH_BUDGET=auto (issue 35.2) ------------------------------------------------------
+AUTO_BUDGETS = (15, 31, 63)  # the candidates above the spine (1 + N a multiple of 16), up to N
+
+
+def auto_candidates(budget: int, depth: int) -> tuple[int, ...]:
+    """The budgets ``auto`` chooses among: the spine-only chain (``depth`` = L_eff nodes: a prefix of
+    b <= s nodes of a spine-first tree is a chain), the AUTO_BUDGETS between it and N, and N."""
+    return tuple(sorted({depth, budget} | {b for b in AUTO_BUDGETS if depth < b <= budget}))
+
+
+def refuse_auto(kind: str, vllm_config: Any) -> None:
+    """Where ``auto`` does not run yet, refuse it at start, by name: the budget of a step is the
+    width of the drafts the drafter hands vLLM, which is what the next step schedules only under sync
+    scheduling and on the V1 runner (docs/notebook/budget-auto-study.md: under async scheduling the
+    scheduler fixes the count one step ahead; V2 verifies the scheduler's count of its GPU drafts)."""
+    why = None
+    if kind != "V1":
+        why = f"the {kind} runner (its drafts stay on the GPU; the scheduler's count decides)"
+    elif getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False):
+        why = ("async scheduling (the scheduler fixes each step's draft count one step ahead; start vLLM "
+               "with async_scheduling=False / --no-async-scheduling)")
+    if why is not None:
+        raise DDTreeConfigError(
+            f"ddtree-patch: {ENV_BUDGET}=auto is refused with {why}: auto runs on the V1 runner with sync "
+            f"scheduling so far (docs/notebook/budget-auto-study.md). Pin a budget ({ENV_BUDGET}=31)")
+
+
 # ---- the drafters ----------------------------------------------------------------------------
 def bind_v1(drafter: Any, runner: Any, *, ddtree_abi: int) -> "DDTreeDrafter":
     """``DFlashProposer.__init__`` (V1), right after ``super().__init__``: pin the drafter's
@@ -240,6 +268,8 @@ def bind_v1(drafter: Any, runner: Any, *, ddtree_abi: int) -> "DDTreeDrafter":
     from .tree_step import refuse_uncovered_config
 
     refuse_uncovered_config(drafter.vllm_config)  # FULL graphs, KV connectors: before any capture
+    if budget_auto():
+        refuse_auto("V1", drafter.vllm_config)
     dd = DDTreeDrafter("V1", record["budget"], record["depth"], drafter.device,
                        drafter.vllm_config.scheduler_config.max_num_seqs, runner)
     drafter.num_speculative_tokens = dd.depth
@@ -285,6 +315,8 @@ def bind_v2(speculator: Any, *, ddtree_abi: int) -> "DDTreeDrafter":
         raise DDTreeConfigError(f"ddtree-patch: DDTree drafts with the V2 DFlashSpeculator only "
                                 f"(method={spec.method!r}, speculator {name})")
     record = _record(spec, name)
+    if budget_auto():
+        refuse_auto("V2", getattr(speculator, "vllm_config", None))
     dd = DDTreeDrafter("V2", record["budget"], record["depth"], speculator.device, speculator.max_num_reqs)
     if tuple(speculator.draft_tokens.shape) != (speculator.max_num_reqs, dd.budget):
         raise DDTreeConfigError(f"ddtree-patch: {name}.draft_tokens is {tuple(speculator.draft_tokens.shape)}, "
@@ -319,8 +351,25 @@ class DDTreeDrafter:
         self.tree_rows = 0  # requests drafted as trees (attached)
         self.chain_rows = 0  # requests drafted as chains
         self.last_tree = None  # the last DraftTree (diagnostics)
-        logger.info("ddtree-patch: DDTree drafter bound (%s): budget %d, drafter depth %d (configured %d)",
-                    kind, self.budget, self.depth, self.drafter_depth)
+        # DDTREE_PATCH_BUDGET=auto: each step's budget from the policy (or the diagnostic cycle)
+        self.auto = budget_auto()
+        self.policy = None
+        self.cycle = auto_cycle() if self.auto else None
+        self.budget_steps: dict[int, int] = {}  # budget -> drafting steps that handed it to vLLM
+        self._cycle_i = 0
+        self._last_pick = None  # (budget, B, host time) of the previous pick: the step time it took
+        self._seen = None  # the accounting's prefix snapshot at the previous pick
+        if self.auto:
+            from .budget_policy import BudgetPolicy
+
+            cands = auto_candidates(self.budget, self.depth)
+            if self.cycle and max(self.cycle) > self.budget:
+                raise DDTreeConfigError(f"ddtree-patch: {ENV_AUTO_CYCLE} budgets must be at most N = {self.budget}, "
+                                        f"got {self.cycle}")
+            self.policy = BudgetPolicy(cands, chain=self.depth, max_budget=self.budget)
+        logger.info("ddtree-patch: DDTree drafter bound (%s): budget %s%d, drafter depth %d (configured %d)%s",
+                    kind, "auto, at most " if self.auto else "", self.budget, self.depth, self.drafter_depth,
+                    f"; candidates {', '.join(map(str, self.policy.candidates))}" if self.policy else "")
 
     # ---- device side: logits -> tokens -------------------------------------------------------
     def build(self, logits):
@@ -415,8 +464,43 @@ class DDTreeDrafter:
         req_ids = list(runner.input_batch.req_ids[:B])
         step, ok = self._channel(runner, req_ids)
         tokens, parents = self.choose(ok, tokens, tree)  # the builder's tensors: new every step
+        if self.auto:  # the next step verifies the first b nodes (node order: a subtree; b <= s: the spine)
+            b = self.next_budget(step, B)
+            if b < self.budget:
+                tokens, parents = tokens[:, :b].contiguous(), parents[:, :b]
         self._attach(step, req_ids, ok, parents)
         return tokens
+
+    def next_budget(self, step, B: int) -> int:
+        """``auto``: the budget of the step these drafts go to (host only). The policy is fed the step
+        time since the previous pick (under sync scheduling: the step that verified those drafts) and
+        the accounting's prefix-budget counts as the host sees them (CPU: now; CUDA: a landed copy)."""
+        import time
+
+        now = time.perf_counter()
+        acc = step.accounting
+        if acc.prefix_budgets != self.policy.candidates:
+            acc.track(self.policy.candidates)
+            self._seen = None
+        if self._last_pick is not None:
+            b0, B0, t0 = self._last_pick
+            if b0 in self.policy.candidates:  # (a diagnostic cycle may take other budgets)
+                self.policy.observe_cost(b0, B0, now - t0)
+        budgets, sums, reqs = acc.prefix_snapshot()
+        if self._seen is not None:
+            for b, s1, r1, s0, r0 in zip(budgets, sums, reqs, *self._seen):
+                if r1 > r0:
+                    self.policy.observe(b, r1 - r0, s1 - s0)
+        self._seen = (sums, reqs)
+        if self.cycle:
+            b = self.cycle[self._cycle_i % len(self.cycle)]
+            self._cycle_i += 1
+            self.policy.decide(B)  # the policy still runs (its log), its pick is overridden
+        else:
+            b = self.policy.pick(B)
+        self._last_pick = (b, B, now)
+        self.budget_steps[b] = self.budget_steps.get(b, 0) + 1
+        return b
 
     # ---- V2: DFlashSpeculator._generate_draft (in the FULL draft graph) + the runner ----------
     def alloc_v2(self) -> None:

@@ -9,7 +9,12 @@ all read the switches through this module, so every process parses them the same
   :class:`DDTreeConfigError` naming the variable: an operator who wrote ``false`` must not get
   DDTree switched on (it was, before this module: any value but ``""`` and ``"0"`` enabled it).
 * ``DDTREE_PATCH_BUDGET``: an integer node budget in [1, 2047], default 63 (:func:`budget_from_env`);
-  the V1 runner takes at most 128 (``runtime.ddtree.bind_v1`` refuses more at start).
+  the V1 runner takes at most 128 (``runtime.ddtree.bind_v1`` refuses more at start). ``auto`` or
+  ``auto:N`` (issue 35.2; :func:`budget_auto`): the budget of each step is chosen among the spine-only
+  chain and the budgets 15 / 31 / 63 up to N (default 63) by ``runtime.budget_policy``; vLLM is sized
+  for N. Where it runs: ``runtime.ddtree.refuse_auto`` (the V1 runner with sync scheduling so far).
+* ``DDTREE_PATCH_AUTO_CYCLE`` (diagnostic, tests): with ``auto``, a comma-separated list of budgets the
+  steps take in turn instead of the policy's picks (:func:`auto_cycle`), e.g. ``8,3,5``.
 * ``DDTREE_PATCH_ON_DRIFT``: ``warn`` or ``error`` (unset or empty: ``error``).
 
 The rewritten vLLM files gate on ``os.environ.get(NAME, "0") not in ("", "0")`` (one lookup, no
@@ -32,6 +37,8 @@ ENV_CHAIN = "DDTREE_PATCH_CHAIN_AS_TREE"
 ENV_BUDGET = "DDTREE_PATCH_BUDGET"
 ENV_ON_DRIFT = "DDTREE_PATCH_ON_DRIFT"
 ENV_TREE_STREAM = "DDTREE_PATCH_TREE_STREAM"
+ENV_AUTO_CYCLE = "DDTREE_PATCH_AUTO_CYCLE"
+AUTO = "auto"
 
 SWITCH_DEFAULTS = {ENV_ENABLE: False, ENV_CHAIN: False, ENV_TREE_STREAM: True}
 ON_DRIFT_VALUES = ("error", "warn")
@@ -41,7 +48,7 @@ ON_DRIFT_VALUES = ("error", "warn")
 DEFAULT_BUDGET = 63
 MAX_BUDGET = 2047  # == ddtree_patcher.kernels.tree_reference.MAX_BUDGET (the builder's limit)
 TOOL_ONLY = ("DDTREE_PATCH_CACHE", "DDTREE_PATCH_CRASH_AT")  # the CLI's and the tests', not vLLM's
-KNOWN = (*SWITCH_DEFAULTS, ENV_BUDGET, ENV_ON_DRIFT, *TOOL_ONLY)
+KNOWN = (*SWITCH_DEFAULTS, ENV_BUDGET, ENV_ON_DRIFT, ENV_AUTO_CYCLE, *TOOL_ONLY)
 
 logger = logging.getLogger("vllm.ddtree_patch")
 
@@ -65,22 +72,61 @@ def switch(name: str) -> bool:
         "cannot turn DDTree on")
 
 
-def budget_from_env() -> int:
-    """``DDTREE_PATCH_BUDGET`` as an int in [1, MAX_BUDGET] (unset or blank: DEFAULT_BUDGET). The
-    runner may refuse a budget this accepts (vLLM's V1 rejection sampler verifies at most 128
-    tokens per request: ``runtime.ddtree.bind_v1``)."""
-    raw = os.environ.get(ENV_BUDGET)
-    if raw is None or not raw.strip():
-        return DEFAULT_BUDGET
+def _budget_int(raw: str, shown: str) -> int:
     try:
         value = int(raw.strip(), 10)
     except ValueError:
         value = None
     if value is None or not 1 <= value <= MAX_BUDGET:
         raise DDTreeConfigError(
-            f"ddtree-patch: {ENV_BUDGET}={raw!r} is not a node budget: expected an integer in "
-            f"[1, {MAX_BUDGET}] (verify nodes per request; default {DEFAULT_BUDGET})")
+            f"ddtree-patch: {ENV_BUDGET}={shown!r} is not a node budget: expected an integer in "
+            f"[1, {MAX_BUDGET}] (verify nodes per request; default {DEFAULT_BUDGET}), or {AUTO} / {AUTO}:N")
     return value
+
+
+def budget_spec() -> tuple[int, bool]:
+    """``DDTREE_PATCH_BUDGET`` as (N, auto): an int in [1, MAX_BUDGET] (unset or blank:
+    DEFAULT_BUDGET), or ``auto`` (N = DEFAULT_BUDGET) / ``auto:N`` (N the largest budget a step may
+    take; vLLM is sized for it)."""
+    raw = os.environ.get(ENV_BUDGET)
+    if raw is None or not raw.strip():
+        return DEFAULT_BUDGET, False
+    text = raw.strip()
+    if text == AUTO:
+        return DEFAULT_BUDGET, True
+    if text.startswith(AUTO + ":"):
+        return _budget_int(text[len(AUTO) + 1:], raw), True
+    return _budget_int(text, raw), False
+
+
+def budget_from_env() -> int:
+    """``DDTREE_PATCH_BUDGET`` as an int in [1, MAX_BUDGET] (unset or blank: DEFAULT_BUDGET; ``auto``:
+    the largest budget, what vLLM is sized for). The runner may refuse a budget this accepts (vLLM's
+    V1 rejection sampler verifies at most 128 tokens per request: ``runtime.ddtree.bind_v1``)."""
+    return budget_spec()[0]
+
+
+def budget_auto() -> bool:
+    """``DDTREE_PATCH_BUDGET=auto`` or ``auto:N``: the budget of each step chosen per step."""
+    return budget_spec()[1]
+
+
+def auto_cycle() -> tuple[int, ...] | None:
+    """``DDTREE_PATCH_AUTO_CYCLE`` (diagnostic): the budgets the steps take in turn, or None (unset)."""
+    raw = os.environ.get(ENV_AUTO_CYCLE)
+    if raw is None or not raw.strip():
+        return None
+    out = []
+    for part in raw.split(","):
+        try:
+            value = int(part.strip(), 10)
+        except ValueError:
+            value = 0
+        if not 1 <= value <= MAX_BUDGET:
+            raise DDTreeConfigError(f"ddtree-patch: {ENV_AUTO_CYCLE}={raw!r}: expected comma-separated budgets "
+                                    f"in [1, {MAX_BUDGET}]")
+        out.append(value)
+    return tuple(out)
 
 
 def on_drift() -> str:
@@ -101,6 +147,7 @@ def check_all() -> None:
         switch(name)
     on_drift()
     budget_from_env()
+    auto_cycle()
     unknown = sorted(k for k in os.environ if k.startswith("DDTREE_PATCH_") and k not in KNOWN)
     if unknown:
         logger.warning("ddtree-patch: unknown variables ignored: %s (known: %s)", ", ".join(unknown),
