@@ -24,12 +24,12 @@ clock instead of CUDA graphs), to catch mistakes before a GPU run.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import math
 import os
 import pathlib
-import statistics
 import sys
 import time
 import traceback
@@ -43,9 +43,12 @@ import torch  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+from _timing import graph_time, wall_time  # noqa: E402
 K = importlib.import_module("ddtree_patcher.kernels")
 BT = importlib.import_module("ddtree_patcher.kernels.build_tree")
 build_tree, build_tree_ref, draft_topk = K.build_tree, K.build_tree_ref, BT.draft_topk
+sm_count = importlib.import_module("ddtree_patcher.kernels.device").sm_count
 
 
 def log(*a):
@@ -68,48 +71,6 @@ def drafter_logits(B, L, V, dev, gen_seed, dtype=torch.bfloat16):
 # ----------------------------------------------------------------------------
 # Timing
 # ----------------------------------------------------------------------------
-def graph_time(calls, reps):
-    """Median µs per call of a CUDA graph that runs every closure in `calls` once."""
-    for c in calls:  # warm up / compile outside the graph
-        c()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(reps):
-        st.record()
-        g.replay()
-        en.record()
-        en.synchronize()
-        ts.append(st.elapsed_time(en) * 1e3 / len(calls))
-    del g
-    return statistics.median(ts)
-
-
-def wall_time(calls, reps):
-    """CPU (smoke) stand-in: median wall µs per call, no graphs."""
-    ts = []
-    for _ in range(max(1, reps)):
-        t0 = time.perf_counter()
-        for c in calls:
-            c()
-        ts.append((time.perf_counter() - t0) * 1e6 / len(calls))
-    return statistics.median(ts)
-
-
 def timer(dev):
     return graph_time if dev.type == "cuda" else (lambda calls, reps: wall_time(calls, 1))
 
@@ -205,34 +166,47 @@ def correctness(dev, L, V, results, smoke):
 # ----------------------------------------------------------------------------
 # Benchmark
 # ----------------------------------------------------------------------------
-def bench(B, budgets, L, V, dev, l2, bw, read_bw, knobs, seed):
-    """One table block; knobs["seg"] = (tile, maxnreg, programs per SM) overrides the
-    segment kernel's module constants for this block (an experiment, not an argument)."""
-    seg = knobs.get("seg")
-    saved = (BT.SEG_TILE, BT.SEG_MAXNREG, BT.SEG_CTAS_PER_SM, BT.TREE_PRELOAD_MAX, BT.SEG_STAGES)
-    if seg:
-        BT.SEG_TILE, BT.SEG_MAXNREG, BT.SEG_CTAS_PER_SM = seg
-    if "preload" in knobs:  # the tree kernel's table preload bound (0: off)
-        BT.TREE_PRELOAD_MAX = knobs["preload"]
-    if "seg_stages" in knobs:  # stage 1 streamed through Triton's pipeliner (0: off)
-        BT.SEG_STAGES = knobs["seg_stages"]
-    try:
-        return _bench(B, budgets, L, V, dev, l2, bw, read_bw, knobs, seed)
-    finally:
-        BT.SEG_TILE, BT.SEG_MAXNREG, BT.SEG_CTAS_PER_SM, BT.TREE_PRELOAD_MAX, BT.SEG_STAGES = saved
+def tuning_of(knobs):
+    """The launch settings (``BuildTreeTuning``) of a sweep entry's knobs, PRODUCTION's where a
+    knob is not set: ``seg`` = (seg_tile, seg_maxnreg, seg_ctas_per_sm), ``preload`` =
+    tree_preload_max (0: off), ``seg_stages`` (0: the register prefetch), and ``chunk``,
+    ``chunk_warps``, ``tree_warps``, ``frontier_start`` by name. ``topk`` is an argument of the
+    call, not a launch setting."""
+    kw = {}
+    if knobs.get("seg"):
+        kw.update(zip(("seg_tile", "seg_maxnreg", "seg_ctas_per_sm"), knobs["seg"]))
+    if "preload" in knobs:
+        kw["tree_preload_max"] = knobs["preload"]
+    if "seg_stages" in knobs:
+        kw["seg_stages"] = knobs["seg_stages"]
+    for name in ("chunk", "chunk_warps", "tree_warps", "frontier_start"):
+        if knobs.get(name):
+            kw[name] = knobs[name]
+    return dataclasses.replace(BT.PRODUCTION, **kw)
 
 
 def _first_stage(x, stages):
     """draft_topk(x, 8) with stage 1's stream at ``stages`` tiles in flight (0: the register
-    prefetch) for this call only."""
-    saved, BT.SEG_STAGES = BT.SEG_STAGES, stages
-    try:
-        return draft_topk(x, 8)
-    finally:
-        BT.SEG_STAGES = saved
+    prefetch)."""
+    return BT._draft_topk_tuned(x, 8, dataclasses.replace(BT.PRODUCTION, seg_stages=stages))
 
 
-def _bench(B, budgets, L, V, dev, l2, bw, read_bw, knobs, seed):
+def bench(B, budgets, L, V, dev, l2, bw, read_bw, knobs, seed):
+    """One table block: ``build_tree`` as the runtime calls it, and its parts, under the launch
+    settings of ``knobs`` (``tuning_of``; none: PRODUCTION, through the public functions)."""
+    tuning = tuning_of(knobs)
+    if tuning == BT.PRODUCTION:
+        def stage1(s, k):
+            return draft_topk(s, k)
+
+        def build_with(s, n, topk, **kw):
+            return build_tree(s, n, topk, **kw)
+    else:
+        def stage1(s, k):
+            return BT._draft_topk_tuned(s, k, tuning)
+
+        def build_with(s, n, topk, **kw):
+            return BT._build_tree_tuned(s, n, topk, tuning, **kw)
     tm = timer(dev)
     nbytes = B * L * V * 2
     R = n_sets(nbytes, l2) if dev.type == "cuda" else 1
@@ -245,15 +219,11 @@ def _bench(B, budgets, L, V, dev, l2, bw, read_bw, knobs, seed):
     for n in budgets:
         k = knobs.get("topk") or min(n, 8)
         if k != k_default:
-            stage1_us = tm([lambda s=s, k=k: draft_topk(s, k, chunk=knobs.get("chunk"),
-                                                         chunk_warps=knobs.get("chunk_warps"))
-                            for s in sets], reps_for(floor * 2 + 10))
+            stage1_us = tm([lambda s=s, k=k: stage1(s, k) for s in sets], reps_for(floor * 2 + 10))
             k_default = k
 
         def build(s, sf, rows=True):
-            return build_tree(s, n, knobs.get("topk"), chunk=knobs.get("chunk"),
-                              chunk_warps=knobs.get("chunk_warps"), tree_warps=knobs.get("tree_warps"),
-                              spine_first=sf, ancestor_mask=rows, frontier_start=knobs.get("frontier_start"))
+            return build_with(s, n, knobs.get("topk"), spine_first=sf, ancestor_mask=rows)
         # the runtime's exact call (ddtree_patcher.runtime.ddtree: spine-first node order, no ancestor
         # rows: the tree step makes its own), then the builder's default output (with the rows) in
         # spine-first and in pop order
@@ -300,9 +270,10 @@ def tree_ab(B, budgets, L, V, dev, seed, reps=200):
         NP = max(32, BT._next_pow2(n))
         starts = [NP] + [w for w in (128, 64, 32) if w < NP]  # NP: one width throughout
         for sf, am, w0 in ([(True, False, w) for w in starts] + [(True, True, w) for w in starts]
-                           + [(False, True, NP), (False, True, min(NP, BT.FRONTIER_START))]):
+                           + [(False, True, NP), (False, True, min(NP, BT.PRODUCTION.frontier_start))]):
             def call(sf=sf, am=am, w0=w0):
-                return BT.tree_stage(lse, lp, ids, n, k, ancestor_mask=am, spine_first=sf, frontier_start=w0)
+                return BT._tree_stage_tuned(lse, lp, ids, n, k, dataclasses.replace(BT.PRODUCTION, frontier_start=w0),
+                                            ancestor_mask=am, spine_first=sf)
             t = call()
             key = (sf, am)
             if key not in base:
@@ -352,17 +323,18 @@ def anatomy(B, L, V, dev, l2, bw):
     sets = [drafter_logits(B, L, V, dev, 50 + r) for r in range(R)]
     rows = B * L
     NTHR, VEC = 128, 8
-    U = BT.SEG_TILE // (NTHR * VEC)
+    P = BT.PRODUCTION
+    U = P.seg_tile // (NTHR * VEC)
     T = U * NTHR * VEC
-    SEG = BT._default_segment(rows, V, T, 16, BT._sm_count(dev) * BT.SEG_CTAS_PER_SM)
+    SEG = BT._default_segment(rows, V, T, 16, sm_count(dev) * P.seg_ctas_per_sm)
     NSEG = triton.cdiv(V, SEG)
     m = torch.empty(rows * NSEG, dtype=torch.float32, device=dev)
     sm = torch.empty_like(m)
 
     def so(x):
         _stream_only[(rows * NSEG,)](x, m, sm, L, V, x.stride(0), x.stride(1), NSEG, SEG,
-                                     U=U, NTHR=NTHR, VEC=VEC, STAGES=BT.SEG_STAGES, num_warps=4,
-                                     maxnreg=BT.SEG_MAXNREG)
+                                     U=U, NTHR=NTHR, VEC=VEC, STAGES=P.seg_stages, num_warps=4,
+                                     maxnreg=P.seg_maxnreg)
 
     floor = B * L * V * 2 / bw * 1e6
     reps = reps_for(floor * 2 + 10)

@@ -5,7 +5,7 @@ selects a level's top-n nodes in parallel instead of popping them one by one; do
 
 One launch of B programs, each sorting N keys (int64 or int32, descending) 16 times in a dependent
 chain; per sort = (time with 16 sorts - time with none) / 16, so the launch cancels out. Timed by
-``bench_tree_step.graph_time`` (20 launches per CUDA graph, replay median); each configuration checked
+``_timing.graph_time`` (20 launches per CUDA graph, replay median); each configuration checked
 against ``torch.sort``.
 Run on a GPU from the repository root: ``python benchmarks/bench_tl_sort.py`` (writes
 ``$OUT/sort_cost.json``, default /tmp/out). Record: benchmarks/results/h200_tl_sort_2026-12-02.json."""
@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_tree_step import graph_time  # noqa: E402
+from _timing import graph_time  # noqa: E402
 
 CALLS = 20  # launches per timed graph
 

@@ -31,12 +31,12 @@ replaced by a dense emulation (wall clock instead of CUDA graphs). From the repo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import math
 import os
 import pathlib
-import statistics
 import sys
 import time
 import traceback
@@ -50,7 +50,10 @@ import torch  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+from _timing import graph_time, wall_time  # noqa: E402
 K = importlib.import_module("ddtree_patcher.kernels")
+TA = importlib.import_module("ddtree_patcher.kernels.tree_attention")
 R = importlib.import_module("ddtree_patcher.kernels.tree_step_reference")
 
 NUM_LAYERS = 36
@@ -243,48 +246,6 @@ def load_fa(smoke):
 # ----------------------------------------------------------------------------
 # Timing
 # ----------------------------------------------------------------------------
-def graph_time(calls, budget_s=0.25):
-    """Median µs per closure of a CUDA graph that runs every closure in `calls` once."""
-    for c in calls:  # warm up / JIT outside the graph
-        c()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    g.replay()
-    st.record()
-    g.replay()
-    en.record()
-    en.synchronize()
-    first_us = st.elapsed_time(en) * 1e3
-    reps = int(min(300, max(15, budget_s * 1e6 / max(first_us, 1.0))))
-    ts = []
-    for _ in range(reps):
-        st.record()
-        g.replay()
-        en.record()
-        en.synchronize()
-        ts.append(st.elapsed_time(en) * 1e3 / len(calls))
-    del g
-    return statistics.median(ts)
-
-
-def wall_time(calls, budget_s=0.0):
-    t0 = time.perf_counter()
-    for c in calls:
-        c()
-    return (time.perf_counter() - t0) * 1e6 / len(calls)
-
-
 def n_sets(bytes_per_set, l2, max_r=32):
     return max(1, min(max_r, math.ceil(2.0 * l2 / max(bytes_per_set, 1)))) if l2 else 1
 
@@ -479,8 +440,9 @@ def bench_attention(cache, fa, dev, B, n, ctx, Hq, l2, timer):
 
 
 SWEEP_SHAPES = ((32, 64, 1024), (8, 64, 1024), (8, 16, 1024), (1, 16, 1024), (32, 16, 1024), (1, 64, 1024))
-# key tiles in a loop (the 2026-11-30 sweep's winners: BLOCK_T 32, 1 stage) and one key tile
-# (_tree_tile_kernel) with and without the folded last M tile
+# launch settings (TreeAttentionTuning fields) against PRODUCTION: key tiles in a loop (the
+# 2026-11-30 sweep's winners: BLOCK_T 32, 1 stage) and one key tile (_tree_tile_kernel) with and
+# without the folded last M tile
 SWEEP_CFGS = ([dict(block_m=m, block_t=t, num_warps=4, num_stages=1) for m in (32, 64) for t in (16, 32)]
               + [dict(one_tile=True, fold_tail=f, block_m=m) for m in (32, 64) for f in (False, True)]
               + [dict(one_tile=True, block_m=64, num_warps=8)])
@@ -488,7 +450,8 @@ SWEEP_CFGS = ([dict(block_m=m, block_t=t, num_warps=4, num_stages=1) for m in (3
 
 def sweep_pass(cache, dev, Hq, l2, timer, shapes, cfgs, deadline):
     """The tree pass + merge alone (tree_attention_merge from a given context pass) per launch
-    configuration: which (BLOCK_M, BLOCK_T, warps, stages) is fastest at each shape."""
+    configuration (``TreeAttentionTuning``; PRODUCTION first): which (BLOCK_M, BLOCK_T, warps,
+    stages, one tile) is fastest at each shape."""
     out_rows = []
     for B, n, ctx in shapes:
         gen = torch.Generator().manual_seed(3 * B + n)
@@ -503,19 +466,21 @@ def sweep_pass(cache, dev, Hq, l2, timer, shapes, cfgs, deadline):
         ref = K.tree_attention_merge(*st.args(cache, 0), fake_ctx, fake_lse)
         res = []
         shape_deadline = time.time() + (deadline - time.time()) / max(1, len(shapes) - len(out_rows))
-        for cfg in [dict(block_m=None, block_t=None, num_warps=4, num_stages=None)] + list(cfgs):  # defaults first
+        for cfg in [dataclasses.asdict(TA.PRODUCTION)] + list(cfgs):  # the production settings first
             if time.time() > shape_deadline:
                 break
             try:
-                got = K.tree_attention_merge(*st.args(cache, 0), fake_ctx, fake_lse, **cfg)
+                tuning = dataclasses.replace(TA.PRODUCTION, **cfg)
+                got = TA._tree_attention_merge_tuned(*st.args(cache, 0), fake_ctx, fake_lse, tuning)
                 err = (got.float() - ref.float()).abs().max().item()
-                us = timer([lambda i=i % sets: K.tree_attention_merge(*st.args(cache, i), fake_ctx, fake_lse, out=out2,
-                                                                **cfg) for i in range(max(sets, MIN_CALLS))])
+                us = timer([lambda i=i % sets: TA._tree_attention_merge_tuned(*st.args(cache, i), fake_ctx, fake_lse,
+                                                                             tuning, out=out2)
+                            for i in range(max(sets, MIN_CALLS))])
                 res.append(dict(cfg, us=us, maxdiff=err))
             except Exception as e:  # noqa: BLE001 (a config that does not compile: skipped)
                 res.append(dict(cfg, error=f"{type(e).__name__}: {str(e)[:200]}"))
         ok = sorted((r for r in res if "us" in r), key=lambda r: r["us"])
-        default = res[0] if res else None  # the launcher's defaults
+        default = res[0] if res else None  # PRODUCTION
         out_rows.append(dict(B=B, n=n, ctx=ctx, best=ok[:5], default=default, tried=len(res)))
         log(f"[sweep] B={B} n={n} ctx={ctx}: best {ok[:3]} default {default}")
     return out_rows

@@ -32,7 +32,6 @@ import json
 import math
 import os
 import pathlib
-import statistics
 import sys
 import time
 import traceback
@@ -41,6 +40,9 @@ import types
 import torch
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from _timing import graph_time  # noqa: E402
+
 HBM_PEAK = 4.8e12  # H200 datasheet, bytes/s
 
 
@@ -137,37 +139,6 @@ def sampled_probs(tok, par, B, n, V, dev, gen, edge_first=0.8, edge_other=0.04):
 # ----------------------------------------------------------------------------
 # Timing
 # ----------------------------------------------------------------------------
-def graph_time(calls, reps):
-    """Median µs per call of a CUDA graph that runs every closure in `calls` once."""
-    for c in calls:  # warm up / compile outside the graph
-        c()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(reps):
-        st.record()
-        g.replay()
-        en.record()
-        en.synchronize()
-        ts.append(st.elapsed_time(en) * 1e3 / len(calls))
-    del g
-    return statistics.median(ts), min(ts)
-
-
 def n_rotations(bytes_touched, bytes_per_set, l2, mem_cap=24e9, max_r=64):
     need = max(1, math.ceil(2.0 * l2 / max(bytes_touched, 1)))
     cap = max(1, int(mem_cap // max(bytes_per_set, 1)))
@@ -280,7 +251,7 @@ def bench_config(B, n, V, dev, l2, rs, gen, walk_warps, block_vs):
     for nw in walk_warps:
         calls = [lambda s=s: tree_verify(s[0], s[1], s[2], target_argmax=s[3], width=W,
                                          max_num_nodes=n, num_warps=nw) for s in sets]
-        row[f"ours_greedy_w{nw}_us"], _ = graph_time(calls, reps_for(3))
+        row[f"ours_greedy_w{nw}_us"] = graph_time(calls, reps_for(3))
     row["ours_greedy_us"] = min(row[f"ours_greedy_w{nw}_us"] for nw in walk_warps)
     acc = tree_verify(*sets[0][:3], target_argmax=sets[0][3], width=W, max_num_nodes=n)[1]
     row["greedy_mean_accepted"] = acc.float().mean().item()
@@ -298,7 +269,7 @@ def bench_config(B, n, V, dev, l2, rs, gen, walk_warps, block_vs):
             v[0], v[1], v[2], v[3], v[4], None, n, None, None, SYNTHETIC_MODE=False)
             for v in vsets]
         try:
-            row["vllm_greedy_us"], _ = graph_time(calls, reps_for(3))
+            row["vllm_greedy_us"] = graph_time(calls, reps_for(3))
         except Exception as e:  # noqa: BLE001
             row["vllm_greedy_us"] = None
             row["vllm_greedy_error"] = repr(e)[:300]
@@ -324,12 +295,12 @@ def bench_config(B, n, V, dev, l2, rs, gen, walk_warps, block_vs):
         calls = [lambda s=s: tree_verify(s["tok"], s["par"], s["cu"], target_probs=s["probs"],
                                          seeds=s["seeds"], positions=s["pos"], width=W,
                                          max_num_nodes=n, block_v=bv) for s in ssets]
-        row[f"ours_sampled_bv{bv}_us"], _ = graph_time(
+        row[f"ours_sampled_bv{bv}_us"] = graph_time(
             calls, reps_for(row["sampled_floor_us"] * 2 + 5))
         calls = [lambda s=s: tree_verify(s["tok"], s["par"], s["cu"], target_probs=s["probs"],
                                          coins=s["coins"], inv_exp_noise=s["noise"], width=W,
                                          max_num_nodes=n, block_v=bv) for s in ssets]
-        row[f"ours_sampled_explicit_bv{bv}_us"], _ = graph_time(
+        row[f"ours_sampled_explicit_bv{bv}_us"] = graph_time(
             calls, reps_for(row["sampled_explicit_floor_us"] * 2 + 5))
     row["ours_sampled_us"] = min(row[f"ours_sampled_bv{bv}_us"] for bv in block_vs)
     row["ours_sampled_explicit_us"] = min(row[f"ours_sampled_explicit_bv{bv}_us"]
@@ -398,15 +369,15 @@ def bench_vllm_sampled(B, n, V, dev, l2, rs, gen):
     def full(s):
         return rs.rejection_sample(s["tok"], nums, n, s["cu"], None, s["logits"], s["bonus"], md)
 
-    out["vllm_sampled_us"], _ = graph_time([lambda s=s: probs_given(s) for s in sets], 25)
-    out["vllm_sampled_full_us"], _ = graph_time([lambda s=s: full(s) for s in sets], 25)
+    out["vllm_sampled_us"] = graph_time([lambda s=s: probs_given(s) for s in sets], 25)
+    out["vllm_sampled_full_us"] = graph_time([lambda s=s: full(s) for s in sets], 25)
     return out
 
 
 def measure_copy_bw(dev):
     x = torch.empty(2 * 2**30, dtype=torch.uint8, device=dev)
     y = torch.empty_like(x)
-    t, _ = graph_time([lambda: y.copy_(x)], 20)
+    t = graph_time([lambda: y.copy_(x)], 20)
     del x, y
     return 2 * 2 * 2**30 / (t * 1e-6)
 

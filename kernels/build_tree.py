@@ -30,18 +30,43 @@ Stage 2:
   like the reference heap; a pop is two int32 max reductions (REDUX on sm_80+), then two slot
   updates (the parent's next sibling, the new node's first child). Then padding, the
   ``exact`` certificate and the ancestor bit rows (max-depth parent hops per row block).
+
+Launch settings (tile sizes, warps, pipelining, the pops' first frontier width): the
+``BuildTreeTuning`` dataclass; ``build_tree`` always uses ``PRODUCTION``.
+
+Legend of the short names inside the kernels (Triton constexprs and per-lane vectors):
+
+* Sizes: B requests, L depths (drafted positions), V vocab, K ranks kept per depth, KP =
+  next_pow2(K + 1) columns of the top-K table (one rank more than K, for ``exact``), n (also
+  ``budget``) nodes per tree.
+* ``_seg_kernel``: T vocab entries per tile = U x NTHR x VEC (U sub-tiles, NTHR threads, VEC
+  entries per 16-byte load); SEG entries per segment, NSEG segments per row (NSEGP its next
+  power of two), NTP = next_pow2(tiles per segment); CS candidate slots staged per batch;
+  G = each slot's running maximum over the tiles, r / s = each lane's running max / sum of
+  exp; STAGES tiles in flight (0: register prefetch).
+* ``_chunk_kernel`` / ``_merge_kernel``: CHUNK entries per program, NCH chunks per row (NCHP
+  its next power of two), CAPT = KP + candidates per batch, SUB entries per re-read tile.
+* ``_tree_kernel``: NP frontier slots (>= n, a power of two >= 32), W0 the first phase's width,
+  NPH the number of doublings from W0 to NP; NW 32-bit words per ancestor row (NWP its next
+  power of two), RB ancestor rows per step; TP > 0: the [L, KP] table is preloaded (TP =
+  next_pow2(L * KP)). The frontier (one slot per emitted node, holding that node's next
+  unexpanded child): HI = ord(σ) of the slot's candidate, LO its tie-break bits
+  (63 - depth) << 21 | (1023 - rank) << 11 | (2047 - parent), PS = σ of the slot's node (the
+  candidate's parent), SL = the slot's id (its node index).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from .device import sm_count
 from .tree_reference import DraftTree, check_build_args
 
 DEFAULT_CHUNK = 4096  # large-K path: vocab entries per _chunk_kernel program
@@ -598,8 +623,8 @@ def _tree_kernel(
         go = go & ((tl.min(warm_i, axis=0) >= -1) | (tl.max(warm_l, axis=0) > 0.0))
     # The pops run on frontier vectors only as wide as the slots they can reach: the first pops on
     # W0 slots, then the vectors double (NPH times) up to NP. A pop's cost grows with the width
-    # (the frontier's two reductions and its updates run over every entry): on an H200 at budget
-    # 256, 71 us with NP = 256 throughout, 59 us starting at 64 (run 9, docs/tree-builder.md).
+    # (the frontier's two reductions and its updates run over every entry), so narrow first
+    # phases save time at large budgets (BuildTreeTuning.frontier_start).
     for ph in tl.static_range(NPH):
         HI, LO, PS, count, maxd, last, go = _pops(HI, LO, PS, SL, count, maxd, last, go,
                                                   tl.minimum(budget, (W0 << ph) - 1), budget, K, L,
@@ -634,8 +659,8 @@ def _tree_kernel(
         # the scratch row ord_ptr (a gather), then every column is written at its new place.
         # The spine: a node's first child in pop order is its rank-0 child (a sibling is pushed
         # only when the one before it pops), so the spine is the chain of first children from the
-        # root: one reduction per depth (a vector update of spine marks in every pop cost 12-14 us
-        # at budget 256 on an H200, a masked scalar store per pop 21-24 us).
+        # root: one reduction per depth after the pops, which keep no spine bookkeeping (marking
+        # the spine inside the pop loop, by a vector update or a masked store per pop, was slower).
         tl.debug_barrier()  # the pops' and the padding's stores are visible to every lane
         col = slot
         col_ok = col < budget
@@ -681,32 +706,62 @@ def _next_pow2(x: int) -> int:
     return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
 
 
-# The tree kernel's pops start on a frontier of this many slots (or NP when smaller) and double it
-# as the nodes need: on an H200 a pop cost ~0.09 / 0.17 / 0.31 us at 64 / 128 / 256 slots (fitted
-# to run 9a), and starting at 32 was no faster anywhere (run 9, docs/tree-builder.md).
-FRONTIER_START = 64
 SMALL_KP = 32  # K + 1 <= SMALL_KP: the one-pass segment kernel; larger K: chunk + merge kernels
-# Stage 1's full tiles go through Triton's software pipeliner (cp.async into shared memory), this
-# many tiles in flight per program, instead of the one-tile register prefetch (0). H200, 2026-12-03
-# (run 10): stage 1 at budget 64, default -> 2 / 3 / 4 stages: B = 256 459.9 -> 503.8 / 428.4 /
-# 407.9 us, B = 64 126.7 -> 137.3 / 123.0 / 123.3, B = 8 28.7 -> 30.8 / 28.3 / 29.0, B = 1 13.8 ->
-# 14.7 / 13.5 / 13.5; the same first stage bit for bit.
-SEG_STAGES = 4
-SEG_TILE = 4096  # vocab entries per thread block per step of _seg_kernel
-SEG_CTAS_PER_SM = 4  # _seg_kernel programs resident per SM (4 warps, <= 128 registers)
-SEG_MAXNREG = 128  # register cap: the streaming loop fits; the rare paths may spill
 SEG_MIN_TILES = 4  # tiles per segment at least (the default segmentation)
-TREE_PRELOAD_MAX = 1024  # the tree kernel touches its [L, KP] table first when L * KP <= this (0: never)
-_SM_COUNT: dict = {}
 
 
-def _sm_count(dev: torch.device) -> int:
-    if dev.type != "cuda":
-        return 132
-    key = dev.index if dev.index is not None else torch.cuda.current_device()
-    if key not in _SM_COUNT:
-        _SM_COUNT[key] = torch.cuda.get_device_properties(key).multi_processor_count
-    return _SM_COUNT[key]
+@dataclass(frozen=True)
+class BuildTreeTuning:
+    """Launch settings of the builder's kernels. Results never depend on them (the tests check
+    the trees bit for bit under other values); only the time does.
+
+    ``build_tree``, ``draft_topk`` and ``tree_stage`` always launch with ``PRODUCTION``, the
+    settings chosen on an H200 (the measurements: docs/notebook/tree-builder.md). Benchmarks and
+    tests pass other values to ``_build_tree_tuned`` / ``_draft_topk_tuned`` /
+    ``_tree_stage_tuned``; nothing in production does.
+
+    Stage 1, K + 1 <= SMALL_KP (``_seg_kernel``):
+
+    * ``seg_tile``: vocab entries a program reads per step of its stream (one tile).
+    * ``seg_stages``: tiles in flight per program through Triton's software pipeliner (cp.async
+      into shared memory); 0: the next tile is prefetched into registers instead. With 3 or 4
+      stages the pipelined stream was faster at B = 64 and most at B = 256, the same at B = 1
+      and 8, and bit-identical; 2 stages were slower than the register prefetch.
+    * ``seg_ctas_per_sm``: programs resident per SM (4 warps, <= 128 registers), which sizes the
+      wave the segmentation rule (``_default_segment``) fills.
+    * ``seg_maxnreg``: register cap of ``_seg_kernel``: the streaming loop fits; the rare paths
+      (NaN redo, many ties) may spill.
+
+    Stage 1, either path: ``chunk`` (vocab entries per program, a power of two >= 2 *
+    next_pow2(K + 1); None: the segmentation rule, or DEFAULT_CHUNK on the large-K path) and
+    ``chunk_warps`` (warps per program; None: 4, or CHUNK // 1024 within 4..16 on the large-K
+    path).
+
+    Stage 2 (``_tree_kernel``):
+
+    * ``tree_warps`` (None: 1) and ``mask_block`` (ancestor rows per step, a power of two; None:
+      as many as 1024 words per warp hold).
+    * ``frontier_start``: width of the pops' first frontier (a power of two >= 32, or the
+      budget's width when smaller), doubled as the nodes need it. A pop costs about linearly in
+      the width (its two reductions and its slot updates run over every entry), so the first
+      pops run narrow; starting at 32 was no faster than 64 anywhere.
+    * ``tree_preload_max``: the kernel first loads the request's whole [L, KP] top-K table (one
+      vector load per table, into L1) when L * KP <= this; 0: never.
+    """
+
+    chunk: Optional[int] = None
+    chunk_warps: Optional[int] = None
+    seg_tile: int = 4096
+    seg_stages: int = 4
+    seg_ctas_per_sm: int = 4
+    seg_maxnreg: int = 128
+    tree_warps: Optional[int] = None
+    mask_block: Optional[int] = None
+    frontier_start: int = 64
+    tree_preload_max: int = 1024
+
+
+PRODUCTION = BuildTreeTuning()
 
 
 @functools.lru_cache(maxsize=256)  # a pure function of the shape, called every step (166 µs/step under cProfile)
@@ -738,7 +793,7 @@ def _default_segment(rows: int, V: int, T: int, KP: int, slots: int) -> int:
 def _check_chunk(chunk, V, KP):
     CH = int(chunk)
     if CH & (CH - 1) or CH < 2 * KP or _next_pow2(triton.cdiv(V, CH)) * KP > MAX_MERGE:
-        raise ValueError(f"build_tree: argument `chunk` must be a power of two >= {2 * KP} with "
+        raise ValueError(f"build_tree: tuning `chunk` must be a power of two >= {2 * KP} with "
                          f"next_pow2(ceil(V / chunk)) * {KP} <= {MAX_MERGE}, got {chunk!r}")
     return CH
 
@@ -775,24 +830,25 @@ def _seg_scratch(dev, rows, NSEG, KP, CS):
     return got
 
 
-def _topk_segments(x, K, KP, active, chunk, chunk_warps):
+def _topk_segments(x, K, KP, active, tuning: BuildTreeTuning):
     """Stage 1 for K + 1 <= SMALL_KP: ``_seg_kernel``, one launch (the first call of a shape also
     zeroes the segment tickets: ``_seg_scratch``)."""
     B, L, V = x.shape
     dev = x.device
     rows = B * L
     VEC = max(1, 16 // x.element_size())  # 16-byte loads
+    chunk_warps = tuning.chunk_warps
     nw = int(chunk_warps) if chunk_warps else 4
     NTHR = 32 * nw
     if nw & (nw - 1) or NTHR < KP:
-        raise ValueError(f"build_tree: argument `chunk_warps` must be a power of two with "
+        raise ValueError(f"build_tree: tuning `chunk_warps` must be a power of two with "
                          f"32 * chunk_warps >= {KP}, got {chunk_warps!r}")
-    U = max(1, SEG_TILE // (NTHR * VEC))
+    U = max(1, tuning.seg_tile // (NTHR * VEC))
     T = U * NTHR * VEC
-    if chunk:
-        SEG = _check_chunk(chunk, V, KP)
+    if tuning.chunk:
+        SEG = _check_chunk(tuning.chunk, V, KP)
     else:
-        SEG = _default_segment(rows, V, T, KP, _sm_count(dev) * SEG_CTAS_PER_SM)
+        SEG = _default_segment(rows, V, T, KP, sm_count(dev) * tuning.seg_ctas_per_sm)
     NSEG = triton.cdiv(V, SEG)
     f32 = torch.float32
     lse = torch.empty((B, L), dtype=f32, device=dev)
@@ -807,18 +863,18 @@ def _topk_segments(x, K, KP, active, chunk, chunk_warps):
         L, V, x.stride(0), x.stride(1), NSEG, SEG, K,
         U=U, NTHR=NTHR, VEC=VEC, NTP=_next_pow2(triton.cdiv(min(SEG, V), T)), KP=KP, CS=CS,
         NSEGP=_next_pow2(NSEG), HAS_ACTIVE=active is not None, num_warps=nw,
-        maxnreg=SEG_MAXNREG,  # the streaming loop needs < 128; the rare paths may spill
-        STAGES=SEG_STAGES,
+        maxnreg=tuning.seg_maxnreg,
+        STAGES=tuning.seg_stages,
     )
     return lse, top_lp, top_id
 
 
-def _topk_chunks(x, KP, active, chunk, chunk_warps):
+def _topk_chunks(x, KP, active, tuning: BuildTreeTuning):
     """Stage 1 for large K: ``_chunk_kernel`` + ``_merge_kernel``."""
     B, L, V = x.shape
     dev = x.device
-    if chunk:
-        CH = _check_chunk(chunk, V, KP)
+    if tuning.chunk:
+        CH = _check_chunk(tuning.chunk, V, KP)
     else:  # the merge sorts next_pow2(#chunks) * KP keys in one program: keep that <= MAX_MERGE
         CH = min(DEFAULT_CHUNK, max(_next_pow2(V), 2 * KP))
         while _next_pow2(triton.cdiv(V, CH)) * KP > MAX_MERGE:
@@ -842,7 +898,7 @@ def _topk_chunks(x, KP, active, chunk, chunk_warps):
         L, V, x.stride(0), x.stride(1), NCH,
         CHUNK=CH, KP=KP, CAPT=CAPT, SUB=min(CH, 1024), HAS_ACTIVE=has_active,
         KEY32=x.element_size() == 2 and CH <= 65536,
-        num_warps=chunk_warps or max(4, min(16, CH // 1024)),
+        num_warps=tuning.chunk_warps or max(4, min(16, CH // 1024)),
     )
     _merge_kernel[(rows,)](
         part_key, part_m, part_s, active, top_lp, top_id, lse, L, V, NCH,
@@ -852,14 +908,7 @@ def _topk_chunks(x, KP, active, chunk, chunk_warps):
     return lse, top_lp, top_id
 
 
-def draft_topk(
-    draft_logits: torch.Tensor,
-    topk: int,
-    *,
-    active: Optional[torch.Tensor] = None,
-    chunk: Optional[int] = None,
-    chunk_warps: Optional[int] = None,
-):
+def draft_topk(draft_logits: torch.Tensor, topk: int, *, active: Optional[torch.Tensor] = None):
     """Stage 1 of ``build_tree`` alone: per-row logsumexp and top-(K+1), one read of the logits.
 
     Returns ``(lse [B, L] float32, logprobs [B, L, KP] float32, ids [B, L, KP] int32)`` with
@@ -867,11 +916,16 @@ def draft_topk(
     top-(K+1) (ties to the lower id; -inf / -1 past V); columns past K are filler (real entries
     of the row, not necessarily its next ranks). Inactive requests: -inf / -1 / lse -inf.
     """
+    return _draft_topk_tuned(draft_logits, topk, PRODUCTION, active=active)
+
+
+def _draft_topk_tuned(draft_logits, topk, tuning: BuildTreeTuning, *, active=None):
+    """``draft_topk`` with the launch settings ``tuning`` (benchmarks and tests)."""
     B, L, V, _, K = check_build_args(draft_logits, 1, topk, active)
     KP = _next_pow2(K + 1)  # one more rank than K, for the `exact` certificate
     if KP <= SMALL_KP:
-        return _topk_segments(draft_logits, K, KP, active, chunk, chunk_warps)
-    return _topk_chunks(draft_logits, KP, active, chunk, chunk_warps)
+        return _topk_segments(draft_logits, K, KP, active, tuning)
+    return _topk_chunks(draft_logits, KP, active, tuning)
 
 
 def build_tree(
@@ -881,12 +935,7 @@ def build_tree(
     *,
     active: Optional[torch.Tensor] = None,
     ancestor_mask: bool = True,
-    chunk: Optional[int] = None,
-    chunk_warps: Optional[int] = None,
-    tree_warps: Optional[int] = None,
-    mask_block: Optional[int] = None,
     spine_first: bool = False,
-    frontier_start: Optional[int] = None,
 ) -> DraftTree:
     """Build one DDTree draft tree per request from the drafter's logits; see ``docs/tree-builder.md``.
 
@@ -898,33 +947,41 @@ def build_tree(
     as nodes 1..s, then the other nodes in pop order; default: pop order). Returns a
     :class:`DraftTree`; no host synchronisation, static shapes; two launches
     for K + 1 <= 32 (plus, at the first call of a shape, a 4-byte-per-row memset when rows are
-    split into segments), three for larger K. Tuning (results do not depend on them): ``chunk`` (vocab entries per stage-1
-    program, a power of two >= 2*next_pow2(K+1)), ``chunk_warps`` (stage-1 warps),
-    ``tree_warps``, ``mask_block`` (ancestor rows per step, a power of two), ``frontier_start``
-    (the pops' first frontier width, a power of two >= 32; it doubles up to the budget's; default
-    FRONTIER_START).
+    split into segments), three for larger K. Launch settings: ``PRODUCTION``
+    (:class:`BuildTreeTuning`).
     """
+    return _build_tree_tuned(draft_logits, budget, topk, PRODUCTION, active=active,
+                             ancestor_mask=ancestor_mask, spine_first=spine_first)
+
+
+def _build_tree_tuned(draft_logits, budget, topk, tuning: BuildTreeTuning, *, active=None,
+                      ancestor_mask: bool = True, spine_first: bool = False) -> DraftTree:
+    """``build_tree`` with the launch settings ``tuning`` (benchmarks and tests)."""
     B, L, V, n, K = check_build_args(draft_logits, budget, topk, active)
-    _frontier_start(frontier_start)  # before any launch
-    lse, top_lp, top_id = draft_topk(draft_logits, K, active=active, chunk=chunk,
-                                     chunk_warps=chunk_warps)
-    return tree_stage(lse, top_lp, top_id, n, K, active=active, ancestor_mask=ancestor_mask,
-                      tree_warps=tree_warps, mask_block=mask_block, spine_first=spine_first,
-                      frontier_start=frontier_start)
+    _frontier_start(tuning.frontier_start)  # before any launch
+    lse, top_lp, top_id = _draft_topk_tuned(draft_logits, K, tuning, active=active)
+    return _tree_stage_tuned(lse, top_lp, top_id, n, K, tuning, active=active,
+                             ancestor_mask=ancestor_mask, spine_first=spine_first)
 
 
 def _frontier_start(v) -> int:
-    w = int(v) if v else FRONTIER_START
+    w = int(v) if v else PRODUCTION.frontier_start
     if w < 32 or w & (w - 1):
-        raise ValueError(f"build_tree: argument `frontier_start` must be a power of two >= 32, got {v!r}")
+        raise ValueError(f"build_tree: tuning `frontier_start` must be a power of two >= 32, got {v!r}")
     return w
 
 
 def tree_stage(lse, top_lp, top_id, n: int, K: int, *, active=None, ancestor_mask: bool = True,
-               tree_warps=None, mask_block=None, spine_first: bool = False,
-               frontier_start=None) -> DraftTree:
+               spine_first: bool = False) -> DraftTree:
     """Stage 2 of ``build_tree`` alone (one launch of ``_tree_kernel``) on ``draft_topk``'s output
     (``K`` <= its columns - 1, ``n`` the budget); arguments checked by ``build_tree``."""
+    return _tree_stage_tuned(lse, top_lp, top_id, n, K, PRODUCTION, active=active,
+                             ancestor_mask=ancestor_mask, spine_first=spine_first)
+
+
+def _tree_stage_tuned(lse, top_lp, top_id, n: int, K: int, tuning: BuildTreeTuning, *, active=None,
+                      ancestor_mask: bool = True, spine_first: bool = False) -> DraftTree:
+    """``tree_stage`` with the launch settings ``tuning`` (benchmarks and tests)."""
     B, L, KP = top_lp.shape
     dev = top_lp.device
     NW = (n + 1 + 31) // 32
@@ -939,17 +996,18 @@ def tree_stage(lse, top_lp, top_id, n: int, K: int, *, active=None, ancestor_mas
     if B:
         NP = max(32, _next_pow2(n))
         NWP = max(1, _next_pow2(NW))
-        nw = int(tree_warps) if tree_warps else 1
+        nw = int(tuning.tree_warps) if tuning.tree_warps else 1
+        mask_block = tuning.mask_block
         RB = int(mask_block) if mask_block else max(1, min(_next_pow2(n + 1), 1024 * nw // NWP))
         if RB & (RB - 1):
-            raise ValueError(f"build_tree: argument `mask_block` must be a power of two, got {mask_block!r}")
-        W0 = min(_frontier_start(frontier_start), NP)
+            raise ValueError(f"build_tree: tuning `mask_block` must be a power of two, got {mask_block!r}")
+        W0 = min(_frontier_start(tuning.frontier_start), NP)
         _tree_kernel[(B,)](
             top_lp, top_id, active, tokens, parents, depths, scores, mask, exact, order,
             L, K, n, NW,
             KP=KP, NP=NP, NWP=NWP, RB=RB, HAS_ACTIVE=active is not None,
             WRITE_MASK=ancestor_mask, num_warps=nw,
-            TP=_next_pow2(L * KP) if 0 < L * KP <= TREE_PRELOAD_MAX else 0,
+            TP=_next_pow2(L * KP) if 0 < L * KP <= tuning.tree_preload_max else 0,
             SPINE_FIRST=order is not None, W0=W0, NPH=(NP // W0).bit_length() - 1,
         )
     return DraftTree(tokens, parents, depths, scores, mask, exact, lse, top_lp[..., :K],

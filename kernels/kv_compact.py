@@ -296,13 +296,11 @@ class KVCompactor:
     """Bound once to the target layers' K/V views (the pointer tables are built here, on the
     host, once); each call is one launch per view group, usually one in all.
 
-    Defaults from the H200 sweep (``bench_tree_step.py --compaction-sweep``, 2026-12-02, B = 32,
-    36 layers of the Qwen3-8B shape, µs per call inside a graph; docs/tree-step.md): one warp per
-    program, chunks of 2048 elements, two depths per tile, 16-byte accesses: 6.0 / 6.5 / 10.7 µs
-    for random walks at n = 16 / 64 (mean accepted 2.0 / 2.3) and deep walks at n = 64 (mean
-    5.4, max 10). One depth per tile and chunks of 1024: 5.5 / 6.2 / 11.5; the 2026-12-01 kernel
-    (one element per access): 7.7 / 9.2 / 16.7. Four or more depths per tile, two warps, and
-    loading the next group's slots before a group's stores were slower.
+    Defaults (``chunk``, ``num_warps``, ``depths_per_tile``, ``vectorize``): one warp per program,
+    chunks of 2048 elements, two depths per tile, 16-byte accesses, the fastest of the H200 sweep
+    (``bench_tree_step.py --compaction-sweep``; its numbers: docs/notebook/tree-step.md). Four or
+    more depths per tile, two warps, and loading the next group's slots before a group's stores
+    were slower.
 
     ``views``: 4-D ``(num_blocks, block_size, H, X)`` views of every target attention layer of
     one KV-cache group (drafter layers excluded), e.g. ``kv_views(layer.kv_cache, layout, D)`` or
@@ -359,8 +357,7 @@ class RowGatherer:
     e.g. the DFlash aux hidden states); ``__call__`` moves row ``q_start + j_d`` to
     ``q_start + d`` (d = 1..a) in each, and, with ``positions``, restores
     ``positions[q_start + i] = positions[q_start] + i`` for ``i < min(q_len, W)``. Defaults from
-    the same sweep (rows of 12,288 bf16 + positions, B = 32): one warp, four depths per tile,
-    chunks of 1024, 16-byte accesses: 4.0 / 4.1 / 5.5 µs (the 2026-12-01 defaults: 4.6 / 4.8 / 7.3)."""
+    the same sweep: one warp, four depths per tile, chunks of 1024, 16-byte accesses."""
 
     def __init__(self, tensors: Sequence[torch.Tensor], *, chunk: int = 1024, num_warps: int = 1,
                  depths_per_tile: int = 4, vectorize: bool = True):

@@ -27,21 +27,29 @@ The tree pass (modes 0 and 2) has a second kernel for trees whose keys fit one t
 (``_tree_tile_kernel``, W <= 64, or W <= 128 on a small grid in mode 2: ``_tile_plan``): each
 program loads the request's tree K/V first (their block ids depend only on the context length),
 then q and the context state, and runs one exact softmax over the tile; on grids over two waves
-a last M tile at most a quarter full (W = 17, 65 at G = 4) is done by the program before it. H200
-A/B (docs/tree-step.md, "One key tile"): 6-23 % faster where it is chosen.
+a last M tile at most a quarter full (W = 17, 65 at G = 4) is done by the program before it
+(``_tile_plan``; the A/B behind the rule: docs/tree-step.md, "One key tile").
+
+Launch settings (tiles, warps, stages, the one-tile and fold choices): the
+``TreeAttentionTuning`` dataclass; ``tree_attention`` and ``tree_attention_merge`` always use
+``PRODUCTION``. Legend of the kernels' constexprs: G q heads per KV head, BLOCK_M (node, q-head)
+rows per program, BLOCK_N context keys per tile (one-kernel mode), BLOCK_T tree keys per tile,
+BLOCK_D = next_pow2(HEAD_DIM), CTX_MODE as above; W = ``ancestor_mask.shape[1]`` (the widest
+tree, root included).
 """
 
 from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from .build_tree import _sm_count
+from .device import sm_count
 
 LOG2E = tl.constexpr(1.4426950408889634)
 _LOG2E = 1.4426950408889634
@@ -460,14 +468,44 @@ def _check(q, k_cache, v_cache, block_table, query_start_loc, context_lens, ance
     return B, T, Hq, D, Hkv, bs, W
 
 
+@dataclass(frozen=True)
+class TreeAttentionTuning:
+    """Launch settings of the tree-attention kernels. Results do not depend on them beyond
+    rounding; only the time does. ``tree_attention`` and ``tree_attention_merge`` always launch
+    with ``PRODUCTION`` (chosen on an H200: docs/tree-step.md, docs/notebook/tree-step.md);
+    benchmarks and tests pass other values to ``_tree_attention_tuned`` /
+    ``_tree_attention_merge_tuned``; nothing in production does.
+
+    * ``one_tile``: all tree keys in one tile (``_tree_tile_kernel``); None: ``_tile_plan``'s rule.
+      Only in the tree pass (modes 0 and 2), and only when ``block_t`` is None.
+    * ``fold_tail``: a small last M tile done by the program before it; None: ``_tile_plan``'s rule.
+    * ``block_m``: (node, q-head) rows per program; None: ``_tile_plan``'s rule.
+    * ``block_n``: context keys per tile (the one-kernel mode).
+    * ``block_t``: tree keys per tile; given, the looped kernel runs; None: all W keys in the
+      one-tile kernel, else 32-key tiles (16 and up for narrower trees).
+    * ``num_warps``, ``num_stages``: Triton's launch options.
+    """
+
+    one_tile: Optional[bool] = None
+    fold_tail: Optional[bool] = None
+    block_m: Optional[int] = None
+    block_n: int = 64
+    block_t: Optional[int] = None
+    num_warps: int = 4
+    num_stages: int = 1
+
+
+PRODUCTION = TreeAttentionTuning()
+
+
 @functools.lru_cache(maxsize=256)  # a pure function of the shape, called once per layer in eager steps
 def _tile_plan(B, Hkv, W, G, sms, block_m, one_tile, fold_tail, fused=True):
-    """Launch plan of the tree pass: (one_tile, BLOCK_M, programs per (request, KV head)), from the
-    H200 A/B of docs/tree-step.md ("One key tile"): one tile for W <= 64, and for W <= 128 on a
-    grid of at most a third of the SMs when the context state is merged in (``fused``; the tree
-    pass alone runs beside FA3 on a second stream, where a 128-key tile's shared memory hurt);
-    BLOCK_M 32 on such small grids, 64 otherwise; a last M tile at most a quarter full is folded
-    into the program before it when the grid exceeds two waves."""
+    """Launch plan of the tree pass: (one_tile, BLOCK_M, programs per (request, KV head)). The
+    rule: one tile for W <= 64, and for W <= 128 on a grid of at most a third of the SMs when the
+    context state is merged in (``fused``; the tree pass alone runs beside FA3 on a second stream,
+    where a 128-key tile's shared memory hurt); BLOCK_M 32 on such small grids, 64 otherwise; a
+    last M tile at most a quarter full is folded into the program before it when the grid exceeds
+    two waves (the measurements behind it: docs/tree-step.md, "One key tile")."""
     small = B * Hkv * triton.cdiv(W * G, 64) * 3 <= sms
     bt1 = max(16, triton.next_power_of_2(W))
     if one_tile is None:
@@ -484,8 +522,7 @@ def _tile_plan(B, Hkv, W, G, sms, block_m, one_tile, fold_tail, fused=True):
 
 def _launch(q, k_cache, v_cache, block_table, query_start_loc, context_lens, ancestor_mask,
             softmax_scale, ctx_mode, ctx_out, ctx_lse, out, lse, return_lse, request_mask,
-            num_reqs, block_m, block_n, block_t, num_warps, num_stages=None, dims=None,
-            one_tile=None, fold_tail=None):
+            num_reqs, tuning: TreeAttentionTuning, dims=None):
     B, T, Hq, D, Hkv, bs, W = dims if dims is not None else _check(
         q, k_cache, v_cache, block_table, query_start_loc, context_lens, ancestor_mask, num_reqs, request_mask)
     G = Hq // Hkv
@@ -507,14 +544,13 @@ def _launch(q, k_cache, v_cache, block_table, query_start_loc, context_lens, anc
                             or lse.dtype != torch.float32):
         raise _err("lse", f"must be float32 [num_q_heads={Hq}, >= {T}]")
     BLOCK_D = max(16, triton.next_power_of_2(D))
+    block_t = tuning.block_t
     # the one-kernel mode and an explicit key tile (block_t) take the looped kernel
-    one_tile, block_m, n_prog = _tile_plan(B, Hkv, W, G, _sm_count(q.device), block_m,
-                                           one_tile if ctx_mode != 1 and block_t is None else False, fold_tail,
-                                           ctx_mode == 2)
-    if block_t is None:  # H200 sweep (bench_tree_step --sweep, 2026-11-30): 32-key tiles, 1 stage
+    one_tile, block_m, n_prog = _tile_plan(B, Hkv, W, G, sm_count(q.device), tuning.block_m,
+                                           tuning.one_tile if ctx_mode != 1 and block_t is None else False,
+                                           tuning.fold_tail, ctx_mode == 2)
+    if block_t is None:  # 32-key tiles in the looped kernel (bench_tree_step.py --sweep)
         block_t = max(16, triton.next_power_of_2(W)) if one_tile else (32 if W >= 32 else max(16, triton.next_power_of_2(W)))
-    if num_stages is None:
-        num_stages = 1
     grid = (B, Hkv, n_prog)
     dummy = out
     cdo = ctx_out if ctx_mode == 2 else dummy
@@ -536,11 +572,11 @@ def _launch(q, k_cache, v_cache, block_table, query_start_loc, context_lens, anc
             ancestor_mask.stride(2),
             bs, W,
             G=G, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=block_m, BLOCK_T=block_t,
-            **({} if one_tile else dict(BLOCK_N=block_n)),
+            **({} if one_tile else dict(BLOCK_N=tuning.block_n)),
             CTX_MODE=ctx_mode, WRITE_LSE=write_lse, HAS_REQ_MASK=request_mask is not None,
             DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
             DOT_UPCAST=q.dtype == torch.bfloat16 and _INTERPRETING,
-            num_warps=num_warps, num_stages=num_stages,
+            num_warps=tuning.num_warps, num_stages=tuning.num_stages,
         )
     return (out, lse) if return_lse else out
 
@@ -548,20 +584,26 @@ def _launch(q, k_cache, v_cache, block_table, query_start_loc, context_lens, anc
 def tree_attention(q, k_cache, v_cache, block_table, query_start_loc, context_lens, ancestor_mask,
                    softmax_scale: float, *, out: Optional[torch.Tensor] = None,
                    lse: Optional[torch.Tensor] = None, return_lse: bool = False,
-                   request_mask: Optional[torch.Tensor] = None, num_reqs: Optional[int] = None,
-                   block_m: Optional[int] = None, block_n: int = 64, block_t: Optional[int] = None,
-                   num_warps: int = 4):
+                   request_mask: Optional[torch.Tensor] = None, num_reqs: Optional[int] = None):
     """Context + tree attention in one kernel.
 
     q ``[T, Hq, D]``; k_cache / v_cache ``(num_blocks, block_size, Hkv, D)`` views (any strides,
     same dtype as q); block_table ``[>= B, max_blocks]``; query_start_loc ``[>= B+1]``;
     context_lens ``[>= B]``; ancestor_mask int32 ``[>= B, W, ceil(W/32)]`` (W >= every q_len);
     request_mask ``[>= B]`` (optional, 0 = leave the request's rows untouched). Returns ``out``
-    (q's dtype) and, with ``return_lse``, lse float32 ``[Hq, T]`` (natural log).
+    (q's dtype) and, with ``return_lse``, lse float32 ``[Hq, T]`` (natural log). Launch
+    settings: ``PRODUCTION`` (:class:`TreeAttentionTuning`).
     """
     return _launch(q, k_cache, v_cache, block_table, query_start_loc, context_lens, ancestor_mask,
-                   softmax_scale, 1, None, None, out, lse, return_lse, request_mask, num_reqs,
-                   block_m, block_n, block_t, num_warps)
+                   softmax_scale, 1, None, None, out, lse, return_lse, request_mask, num_reqs, PRODUCTION)
+
+
+def _tree_attention_tuned(q, k_cache, v_cache, block_table, query_start_loc, context_lens, ancestor_mask,
+                          softmax_scale: float, tuning: TreeAttentionTuning, *, out=None, lse=None,
+                          return_lse: bool = False, request_mask=None, num_reqs=None):
+    """``tree_attention`` with the launch settings ``tuning`` (benchmarks and tests)."""
+    return _launch(q, k_cache, v_cache, block_table, query_start_loc, context_lens, ancestor_mask,
+                   softmax_scale, 1, None, None, out, lse, return_lse, request_mask, num_reqs, tuning)
 
 
 def tree_attention_merge(q, k_cache, v_cache, block_table, query_start_loc, context_lens,
@@ -569,25 +611,30 @@ def tree_attention_merge(q, k_cache, v_cache, block_table, query_start_loc, cont
                          ctx_lse: Optional[torch.Tensor], *, out: Optional[torch.Tensor] = None,
                          lse: Optional[torch.Tensor] = None, return_lse: bool = False,
                          request_mask: Optional[torch.Tensor] = None,
-                         num_reqs: Optional[int] = None, block_m: Optional[int] = None,
-                         block_t: Optional[int] = None, num_warps: int = 4,
-                         num_stages: Optional[int] = None, dims: Optional[tuple] = None,
-                         one_tile: Optional[bool] = None, fold_tail: Optional[bool] = None):
+                         num_reqs: Optional[int] = None, dims: Optional[tuple] = None):
     """The tree pass merged with a given context pass (``ctx_out [T, Hq, D]``, ``ctx_lse``
     float32 ``[Hq, >= T]``, FlashAttention's output and ``softmax_lse``). ``out`` may be
     ``ctx_out`` (in place). ``ctx_out=None`` and ``ctx_lse=None``: tree keys only. ``dims``:
     what :func:`tree_attention_dims` returned for arguments of the same shapes, dtypes and
     devices (skips the argument checks: a caller launching once per layer with one layout).
-    Tuning only (results do not depend on them beyond rounding): ``one_tile`` (all tree keys in
-    one tile, ``_tree_tile_kernel``; None = the measured rule of ``_tile_plan``, used unless
-    ``block_t`` is given), ``fold_tail``, ``block_m``, ``block_t``, ``num_warps``, ``num_stages``.
-    Other arguments as ``tree_attention``."""
+    Other arguments as ``tree_attention``; launch settings ``PRODUCTION``."""
+    return _tree_attention_merge_tuned(q, k_cache, v_cache, block_table, query_start_loc, context_lens,
+                                       ancestor_mask, softmax_scale, ctx_out, ctx_lse, PRODUCTION, out=out,
+                                       lse=lse, return_lse=return_lse, request_mask=request_mask,
+                                       num_reqs=num_reqs, dims=dims)
+
+
+def _tree_attention_merge_tuned(q, k_cache, v_cache, block_table, query_start_loc, context_lens,
+                                ancestor_mask, softmax_scale: float, ctx_out, ctx_lse,
+                                tuning: TreeAttentionTuning, *, out=None, lse=None, return_lse: bool = False,
+                                request_mask=None, num_reqs=None, dims=None):
+    """``tree_attention_merge`` with the launch settings ``tuning`` (benchmarks and tests)."""
     if (ctx_out is None) != (ctx_lse is None):
         raise _err("ctx_out", "and `ctx_lse` must be given together (or both None)")
     mode = 0 if ctx_out is None else 2
     return _launch(q, k_cache, v_cache, block_table, query_start_loc, context_lens, ancestor_mask,
                    softmax_scale, mode, ctx_out, ctx_lse, out, lse, return_lse, request_mask,
-                   num_reqs, block_m, 64, block_t, num_warps, num_stages, dims, one_tile, fold_tail)
+                   num_reqs, tuning, dims)
 
 
 def tree_attention_dims(q, k_cache, v_cache, block_table, query_start_loc, context_lens, ancestor_mask,

@@ -164,13 +164,11 @@ def build_tree_ref(
     ancestor_mask: bool = True,
     lse: Optional[torch.Tensor] = None,
     spine_first: bool = False,
-    **_tuning,
 ) -> DraftTree:
     """Reference DDTree builder; see the module docstring and ``build_tree``.
 
     ``lse`` [B, L] (float32) replaces the computed logsumexp: the kernel computes it with a
     different summation order, so passing the kernel's own ``lse`` makes the two bit-comparable.
-    Tuning keywords of ``build_tree`` are accepted and ignored.
     """
     B, L, V, n, K = check_build_args(draft_logits, budget, topk, active, lse)
     dev = draft_logits.device

@@ -86,7 +86,7 @@ TREE_PTRS = dict(
 
 # as launched: 4 warps, the register cap, 16-divisible strides / vocab / segment (the JIT
 # specialises them so: the 16-byte loads depend on it)
-SEG_OPTS = dict(num_warps=4, maxnreg=BT.SEG_MAXNREG, div=("V", "stride_b", "stride_l", "SEG"))
+SEG_OPTS = dict(num_warps=4, maxnreg=BT.PRODUCTION.seg_maxnreg, div=("V", "stride_b", "stride_l", "SEG"))
 
 
 def build_tree_variants():
@@ -98,7 +98,7 @@ def build_tree_variants():
             yield f"build_tree seg {dtype[1:]} KP={kp} active={active}", BT._seg_kernel, dict(
                 SEG_PTRS, logits_ptr=dtype), dict(
                 active_ptr="keep" if active else None, U=4096 // (128 * vec), NTHR=128, VEC=vec,
-                NTP=ntp, KP=kp, CS=16, NSEGP=nsegp, HAS_ACTIVE=active, STAGES=BT.SEG_STAGES), SEG_OPTS
+                NTP=ntp, KP=kp, CS=16, NSEGP=nsegp, HAS_ACTIVE=active, STAGES=BT.PRODUCTION.seg_stages), SEG_OPTS
     for dtype in ("*bf16", "*fp32"):  # K + 1 > 32: chunk + merge kernels
         for kp, active in ((64, False), (64, True)):
             yield f"build_tree chunk {dtype[1:]} KP={kp} active={active}", BT._chunk_kernel, dict(
@@ -119,8 +119,8 @@ def build_tree_variants():
             active_ptr="keep" if active else None, mask_ptr="keep" if mask else None,
             ord_ptr="keep" if sf else None, KP=16,
             NP=np_, NWP=nwp, RB=max(1, min(1 << n.bit_length(), 1024 // nwp)), HAS_ACTIVE=active,
-            WRITE_MASK=mask, TP=256, SPINE_FIRST=sf, W0=min(np_, BT.FRONTIER_START),
-            NPH=(np_ // min(np_, BT.FRONTIER_START)).bit_length() - 1), dict(num_warps=1)
+            WRITE_MASK=mask, TP=256, SPINE_FIRST=sf, W0=min(np_, BT.PRODUCTION.frontier_start),
+            NPH=(np_ // min(np_, BT.PRODUCTION.frontier_start)).bit_length() - 1), dict(num_warps=1)
 
 
 def variants():

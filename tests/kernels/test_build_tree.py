@@ -20,6 +20,9 @@ from ddtree_patcher.kernels import (
     tree_verify,
     unpack_ancestor_mask,
 )
+from ddtree_patcher.kernels.build_tree import BuildTreeTuning, _build_tree_tuned
+
+TUNING_FIELDS = set(BuildTreeTuning.__dataclass_fields__)
 
 P = PLACEHOLDER_TOKEN_ID
 NINF = -math.inf
@@ -101,8 +104,16 @@ def _check_invariants(t, n, L, spine_first=False):
                 assert set(torch.nonzero(vis[b, j]).flatten().tolist()) == path, (b, j)
 
 
+def _build(x, n, k=None, **kw):
+    """build_tree, or the tuned entry point when ``kw`` holds launch settings (BuildTreeTuning)."""
+    tuning = {key: kw.pop(key) for key in list(kw) if key in TUNING_FIELDS}
+    if tuning:
+        return _build_tree_tuned(x, n, k, BuildTreeTuning(**tuning), **kw)
+    return build_tree(x, n, k, **kw)
+
+
 def _both(x, n, k=None, **kw):
-    a = build_tree(x, n, k, **kw)
+    a = _build(x, n, k, **kw)
     ref_kw = {key: v for key, v in kw.items() if key in ("active", "ancestor_mask", "spine_first")}
     b = build_tree_ref(x, n, k, lse=a.lse, **ref_kw)
     for f in a._fields:
@@ -320,7 +331,7 @@ def test_inactive_requests_get_padding_and_strided_input():
     assert t.tokens[1].tolist() == [P] * 12 and t.parents[1].tolist() == [0] * 12
     assert t.depths[3].tolist() == [1] * 12 and bool(torch.isinf(t.scores[3]).all())
     assert t.exact[1] and bool((t.topk_ids[1] == -1).all())
-    active_all = build_tree(x, 12, 3, chunk=64)
+    active_all = _build(x, 12, 3, chunk=64)
     for f in ("tokens", "parents", "depths", "scores"):
         assert torch.equal(getattr(t, f)[::2], getattr(active_all, f)[::2])
 
@@ -351,15 +362,11 @@ def test_exact_certificate():
 
 
 @pytest.mark.parametrize("preload", [1024, 0])
-def test_segment_of_several_tiles_nan_redo_and_merge(monkeypatch, preload):
+def test_segment_of_several_tiles_nan_redo_and_merge(preload):
     """A segment of several 4096-entry tiles (the in-flight prefetch and the masked tail), a NaN
     in one row (the segment is read again sanitised) and the top-K spread over tiles, rows split
     into two segments (the last one merges); the tree kernel with and without its table
     preload."""
-    import importlib
-
-    monkeypatch.setattr(importlib.import_module("ddtree_patcher.kernels.build_tree"),
-                        "TREE_PRELOAD_MAX", preload)
     g = torch.Generator().manual_seed(13)
     x = torch.randn(1, 3, 2 * 4096 + 8200, generator=g).to(torch.bfloat16)
     x[0, 0, 5] = 7.0
@@ -367,7 +374,7 @@ def test_segment_of_several_tiles_nan_redo_and_merge(monkeypatch, preload):
     x[0, 0, 3 * 4096 + 11] = 8.0
     x[0, 1, 9000] = float("nan")
     x[0, 2, :100] = float("-inf")
-    t = _both(x, 12, 8, chunk=16384)
+    t = _both(x, 12, 8, chunk=16384, tree_preload_max=preload)
     assert t.topk_ids[0, 0, :3].tolist() == [3 * 4096 + 11, 5, 4096 + 5]
 
 
@@ -438,9 +445,10 @@ def test_tree_feeds_tree_verify():
         (lambda: build_tree(torch.zeros(1, 2, 8), -1), "budget"),
         (lambda: build_tree(torch.zeros(1, 2, 8), 4, 0), "topk"),
         (lambda: build_tree(torch.zeros(1, 2, 8), 4, active=torch.ones(2, dtype=torch.bool)), "active"),
-        (lambda: build_tree(torch.zeros(1, 2, 8), 4, chunk=24), "chunk"),
-        (lambda: build_tree(torch.zeros(1, 2, 8), 4, chunk_warps=3), "chunk_warps"),
-        (lambda: build_tree(torch.zeros(1, 2, 8), 4, frontier_start=48), "frontier_start"),
+        (lambda: _build(torch.zeros(1, 2, 8), 4, chunk=24), "chunk"),
+        (lambda: _build(torch.zeros(1, 2, 8), 4, chunk_warps=3), "chunk_warps"),
+        (lambda: _build(torch.zeros(1, 2, 8), 4, frontier_start=48), "frontier_start"),
+        (lambda: _build(torch.zeros(1, 2, 8), 4, mask_block=3), "mask_block"),
         (lambda: build_tree_ref(torch.zeros(1, 2, 8), 4, lse=torch.zeros(2)), "lse"),
     ],
 )
@@ -466,3 +474,18 @@ def test_benchmark_script_smoke(tmp_path):
 
     res = json.loads(out.read_text())
     assert res["rows"] and res["sweep"] and all("error" not in row for row in res["rows"] + res["sweep"])
+
+
+def test_public_signatures_carry_production_arguments_only():
+    """build_tree / draft_topk / tree_stage take what production passes; launch settings go
+    through BuildTreeTuning (issue 37). PRODUCTION is the tuned default set."""
+    import importlib
+    import inspect
+
+    BT = importlib.import_module("ddtree_patcher.kernels.build_tree")
+    for fn in (BT.build_tree, BT.draft_topk, BT.tree_stage, build_tree_ref):
+        names = set(inspect.signature(fn).parameters)
+        assert not names & TUNING_FIELDS, (fn.__name__, names & TUNING_FIELDS)
+    assert BT.PRODUCTION == BuildTreeTuning()
+    for name in ("SEG_TILE", "SEG_MAXNREG", "SEG_CTAS_PER_SM", "TREE_PRELOAD_MAX", "SEG_STAGES", "FRONTIER_START"):
+        assert not hasattr(BT, name), name

@@ -20,7 +20,12 @@ from ddtree_patcher.kernels import (
     tree_attention_merge,
     tree_attention_ref,
 )
-from ddtree_patcher.kernels.tree_attention import TreeAttentionError
+from ddtree_patcher.kernels.tree_attention import (
+    TreeAttentionError,
+    TreeAttentionTuning,
+    _tree_attention_merge_tuned,
+    _tree_attention_tuned,
+)
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
@@ -28,6 +33,11 @@ TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 def _args(c):
     return (c.q, c.k, c.v, c.block_table, c.query_start_loc, c.context_lens, c.ancestor_mask,
             c.scale)
+
+
+def _tuned(*args, block_n=64, block_t=None, **kw):
+    """tree_attention with smaller tiles (several context / tree tiles on small cases)."""
+    return _tree_attention_tuned(*args, TreeAttentionTuning(block_n=block_n, block_t=block_t), **kw)
 
 
 def _close(got, ref, c, dtype, lse=None, rlse=None, rows=None):
@@ -55,7 +65,7 @@ CASES = [
 def test_tree_attention_matches_dense_reference(ctx, n, Hq, Hkv, D, bs, dtype, layout):
     c = make_case(ctx, n, Hq=Hq, Hkv=Hkv, D=D, bs=bs, dtype=dtype, layout=layout, seed=len(ctx) + bs)
     ref, rlse = tree_attention_ref(*_args(c))
-    out, lse = tree_attention(*_args(c), return_lse=True, block_n=16)
+    out, lse = _tuned(*_args(c), return_lse=True, block_n=16)
     _close(out, ref, c, dtype, lse, rlse)
 
 
@@ -107,19 +117,19 @@ def test_context_and_tree_passes_merged_by_lse(ctx, n, Hq, Hkv, D, bs, dtype, la
 def test_tree_pass_kernels_and_folded_last_tile(one_tile, fold_tail, block_m, dtype):
     c = make_case([21, 0, 9], [16, 16, 11], Hq=4, Hkv=1, D=16, bs=8, dtype=dtype, seed=21)
     ref, rlse = tree_attention_ref(*_args(c))
-    kw = dict(one_tile=one_tile, fold_tail=fold_tail, block_m=block_m)
+    tuning = TreeAttentionTuning(one_tile=one_tile, fold_tail=fold_tail, block_m=block_m)
     ctx_out, ctx_lse = context_attention_ref(*_args(c)[:6], c.scale)
     keep = torch.tensor([True, True, False])
     out = ctx_out.clone()
     out[int(c.query_start_loc[2]):] = 123.0
-    tree_attention_merge(*_args(c), ctx_out, ctx_lse, out=out, request_mask=keep, **kw)
+    _tree_attention_merge_tuned(*_args(c), ctx_out, ctx_lse, tuning, out=out, request_mask=keep)
     qsl = c.query_start_loc.tolist()
     _close(out, ref, c, dtype, rows=slice(0, qsl[2]))
     assert bool((out[qsl[2]:] == 123.0).all())  # a masked-off request's rows are left as they were
-    t_out, t_lse = tree_attention_merge(*_args(c), None, None, return_lse=True, **kw)  # tree keys only
+    t_out, t_lse = _tree_attention_merge_tuned(*_args(c), None, None, tuning, return_lse=True)  # tree keys only
     c0 = make_case([0, 0, 0], [16, 16, 11], Hq=4, Hkv=1, D=16, bs=8, dtype=dtype, seed=21)
     ref0, rlse0 = tree_attention_ref(*_args(c0))
-    t0, l0 = tree_attention_merge(*_args(c0), None, None, return_lse=True, **kw)
+    t0, l0 = _tree_attention_merge_tuned(*_args(c0), None, None, tuning, return_lse=True)
     _close(t0, ref0, c0, dtype, l0, rlse0)
     out2 = torch.empty_like(c.q)
     merge_attention_states(ctx_out, ctx_lse, t_out, t_lse, c.query_start_loc, c.context_lens, out=out2,
@@ -159,7 +169,7 @@ def test_chain_shaped_tree_equals_causal_attention(dtype):
     ref, _ = tree_attention_ref(*_args(c))
     T = int(c.query_start_loc[-1])
     assert (ref[:T] - causal[:T]).abs().max().item() < 1e-6  # the mask of a chain is causal
-    _close(tree_attention(*_args(c), block_n=32), causal, c, dtype)
+    _close(_tuned(*_args(c), block_n=32), causal, c, dtype)
     ctx_out, ctx_lse = context_attention_ref(*_args(c)[:6], c.scale)
     _close(tree_attention_merge(*_args(c), ctx_out, ctx_lse, out=ctx_out), causal, c, dtype)
 
@@ -168,7 +178,7 @@ def test_wide_tree_multiword_mask_and_siblings_invisible():
     """W > 32 (two mask words per row) and a star tree: a node must not see its siblings."""
     c = make_case([30, 8], [40, 45], Hq=2, Hkv=1, D=16, bs=16, seed=11)
     ref, rlse = tree_attention_ref(*_args(c))
-    out, lse = tree_attention(*_args(c), return_lse=True, block_n=32, block_t=16)
+    out, lse = _tuned(*_args(c), return_lse=True, block_n=32, block_t=16)
     _close(out, ref, c, torch.float32, lse, rlse)
     # a star (every node a child of the root): row j == attention over context + root + j
     star = make_case([12], [20], Hq=2, Hkv=1, D=16, bs=4, seed=12)
@@ -255,3 +265,13 @@ def test_ancestor_rows_named_errors():
         ancestor_rows(torch.zeros(3, dtype=torch.int32))
     with pytest.raises(TreeAttentionError, match="out"):
         ancestor_rows(torch.zeros(2, 5, dtype=torch.int32), out=torch.zeros(2, 5, 2, dtype=torch.int32))
+
+
+def test_public_signatures_carry_production_arguments_only():
+    """tree_attention / tree_attention_merge take what production passes; launch settings go
+    through TreeAttentionTuning (issue 37)."""
+    import inspect
+
+    tuning = set(TreeAttentionTuning.__dataclass_fields__)
+    for fn in (tree_attention, tree_attention_merge):
+        assert not set(inspect.signature(fn).parameters) & tuning, fn.__name__
