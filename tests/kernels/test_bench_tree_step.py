@@ -1,6 +1,6 @@
 """benchmarks/bench_tree_step.py --smoke: every code path of the H200 script (checks with the FA3
-calls emulated, timing rows, compaction), tiny, on the CPU under the Triton interpreter; and the
-GPU wrapper script parses."""
+calls emulated, timing rows, compaction), tiny, on the CPU under the Triton interpreter; the GPU
+scripts parse; bench_host_path.py and bench_defaults_ab.py in their smoke modes."""
 
 import json
 import os
@@ -27,9 +27,24 @@ def test_benchmark_script_smoke(tmp_path):
 
 
 def test_gpu_script_parses():
-    r = subprocess.run(["bash", "-n", str(REPO / "scripts" / "gpu_tree_step.sh")], capture_output=True,
-                       text=True)
-    assert r.returncode == 0, r.stderr
+    for script in sorted((REPO / "scripts").glob("*gpu_*.sh")):  # gpu_tree_step.sh, its siblings, _gpu_bundle.sh
+        r = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+        assert r.returncode == 0, (script.name, r.stderr)
+
+
+def test_defaults_ab_benchmark_smoke(tmp_path):
+    """benchmarks/bench_defaults_ab.py --smoke (the before/after of the production launches, issue 37):
+    the checkout's kernels as both versions, every output equal, every row timed."""
+    out = tmp_path / "ab.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_defaults_ab.py"), "--smoke",
+                        "--before", str(REPO / "kernels"), "--out", str(out)],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.rstrip().endswith("DEFAULTS-AB ok"), r.stdout[-3000:] + r.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {row["what"] for row in rows} == {"build_tree", "attention merge", "attention tree_pass",
+                                             "attention one_kernel"}
+    assert all(row["equal"] and row["after_us"] > 0 for row in rows)
 
 
 def test_host_path_benchmark_smoke(tmp_path):
