@@ -96,7 +96,9 @@ def eager_us(call, n=50):
 
 
 def ab_time(calls_before, calls_after, rounds=3):
-    timer = wall_time if SMOKE else graph_time
+    """(before, after): the median of ``rounds`` interleaved graph medians of each."""
+    def timer(calls):
+        return wall_time(calls) if SMOKE else graph_time(calls, budget_s=0.15)
     b, a = [], []
     for _ in range(1 if SMOKE else rounds):
         b.append(timer(calls_before))

@@ -69,4 +69,7 @@ def main():
 
 
 if __name__ == "__main__":
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # no options; --help
     main()
