@@ -764,7 +764,7 @@ class BuildTreeTuning:
 PRODUCTION = BuildTreeTuning()
 
 
-@functools.lru_cache(maxsize=256)  # a pure function of the shape, called every step (166 µs/step under cProfile)
+@functools.lru_cache(maxsize=256)  # a pure function of the shape, called every step (its loop is host time)
 def _default_segment(rows: int, V: int, T: int, KP: int, slots: int) -> int:
     """Segment length (whole tiles) so that rows * segments fills the GPU's resident programs
     (`slots`) in close to whole waves: one wave when the rows alone are fewer, else the fewest
