@@ -50,7 +50,9 @@ host memory and are read directly. The line (logger ``vllm.ddtree_patch``, INFO)
 
 tokens/step = 1 + mean tree accepted length per walked request and step (the accepted drafts
 plus the token the target emits at the end of the path), chain spine = 1 + mean spine accepted
-length, the percentage their ratio, budget the verify nodes per request (``DDTREE_PATCH_BUDGET``),
+length, the percentage their ratio, budget the verify nodes per request (``DDTREE_PATCH_BUDGET``;
+with ``auto``: ``auto`` and the budgets the steps of the interval took, e.g. ``budget auto (3: 40, 31: 7
+steps)``),
 B the mean walked requests per step; all over the interval since the previous line.
 
 **Prefix budgets** (issue 35.2, ``DDTREE_PATCH_BUDGET=auto``; :meth:`Accounting.track`): for each candidate
@@ -152,6 +154,7 @@ class Accounting:
 
         self.device = torch.device(device)
         self.budget = budget
+        self.budget_note = None  # DDTREE_PATCH_BUDGET=auto: a callable giving the interval's budgets for the line
         self.sums = torch.zeros(2, dtype=torch.int64, device=self.device)  # tree, spine accepted tokens
         self.steps = 0  # walks with at least one walked request that had draft tokens
         self.requests = 0  # walked requests with draft tokens, summed over steps
@@ -258,7 +261,8 @@ class Accounting:
             return
         tok, ch = 1 + (tree - tr0) / dr, 1 + (spine - sp0) / dr
         gain = f"{100.0 * (tok / ch - 1):+.1f} %"
-        budget = f", budget {self.budget}" if self.budget else ""
+        note = self.budget_note() if self.budget_note is not None else None
+        budget = f", budget {note}" if note else (f", budget {self.budget}" if self.budget else "")
         self.last_line = (f"DDTree: {tok:.2f} tokens/step, chain spine {ch:.2f} ({gain}){budget}, B≈{dr / ds:.1f} "
                           f"({ds} steps, {dr} requests in {t - t0:.1f} s)")
         self.lines += 1

@@ -471,6 +471,14 @@ class DDTreeDrafter:
         self._attach(step, req_ids, ok, parents)
         return tokens
 
+    def budget_note(self) -> str:
+        """``auto`` and the budgets picked since the previous call (the accounting's log line)."""
+        last = getattr(self, "_noted", {})
+        now = dict(self.budget_steps)
+        self._noted = now
+        picks = ", ".join(f"{b}: {n - last.get(b, 0)}" for b, n in sorted(now.items()) if n > last.get(b, 0))
+        return f"auto ({picks} steps)" if picks else "auto"
+
     def next_budget(self, step, B: int) -> int:
         """``auto``: the budget of the step these drafts go to (host only). The policy is fed the step
         time since the previous pick (under sync scheduling: the step that verified those drafts) and
@@ -481,6 +489,7 @@ class DDTreeDrafter:
         acc = step.accounting
         if acc.prefix_budgets != self.policy.candidates:
             acc.track(self.policy.candidates)
+            acc.budget_note = self.budget_note
             self._seen = None
         if self._last_pick is not None:
             b0, B0, t0 = self._last_pick

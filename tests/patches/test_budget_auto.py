@@ -213,6 +213,9 @@ def test_drafter_picks_feed_the_policy(clean_env, monkeypatch):
     got = dd.policy.acceptance(8)
     assert got is not None and got[0] == pytest.approx(float(acc.sum()) / 4)
     assert dd.policy.cost(8, 4) is not None  # the step time between two picks of budget 8's step
+    assert step.accounting.budget_note() == "auto (3: 3, 5: 2, 8: 3 steps)" and step.accounting.budget_note() == "auto"
+    step.accounting._emit(1.0, 1, 4, 6, 4)  # the log line names what the interval's steps took
+    assert ", budget auto, B" in step.accounting.last_line
     clean_env.setenv("DDTREE_PATCH_AUTO_CYCLE", "9")
     with pytest.raises(DDTreeConfigError, match="at most N = 8"):
         ddtree.DDTreeDrafter("V1", 8, 3, "cpu", 4)
@@ -289,12 +292,16 @@ def test_budget_policy_greedy_equals_no_speculation(e2e):
     rec = e2e.tmp / "policy.jsonl"
     env = dict(SCENARIO="basic", N_PROMPTS="4", MAX_TOKENS="48")
     nospec = e2e("nospec", SPEC="0", KERNELS="reference", **env)
-    dd = e2e("auto", DDTREE_PATCH_BUDGET="auto:8", DDTREE_ACCOUNTING_RECORD=str(rec), **DD, **env)
+    dd = e2e("auto", DDTREE_PATCH_BUDGET="auto:8", DDTREE_ACCOUNTING_RECORD=str(rec), VLLM_LOG_STATS_INTERVAL="0.5",
+             **DD, **env)
     same = [a == b for a, b in zip(nospec["tokens"], dd["tokens"])]
     assert all(same), same
     widths = _widths(rec)
     used = sorted({w for ws in widths for w in ws if w})
     assert set(used) <= {3, 8} and 8 in used, used  # the candidates: the spine (3) and N; 8 tried at least
     assert "budget auto, at most 8" in dd["log"] and "candidates 3, 8" in dd["log"]
+    lines = [line for line in dd["log"].splitlines() if "tokens/step, chain spine" in line and not line.startswith("RESULT")]
+    assert lines and all(", budget auto" in line for line in lines), lines  # the picks of each interval
+    print("log line:", lines[-1])
     print("policy", json.dumps({"identical": f"{sum(same)}/{len(same)}", "walks": len(widths), "widths": used,
                                 "per_walk": [max(w) for w in widths]}))
