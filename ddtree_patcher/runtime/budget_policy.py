@@ -18,17 +18,21 @@ through the accounting's pinned copy: no synchronisation is needed to decide):
 * the **acceptance** per budget: accepted draft tokens over request-steps (:meth:`observe`). From one
   walk at budget N the runtime can count, for every prefix budget b ≤ N, what that prefix would have
   accepted (exact for greedy; the study, section 2), and the spine count is the chain's acceptance:
-  feed them all. Estimates decay with a half-life in steps (``half_life``: a workload change is
-  forgotten in a few half-lives), and carry a standard error (the spread of the observed means per
-  request, floored at ``var_floor``, over the decayed request-steps).
+  feed them all. Estimates decay with a half-life in steps (``half_life``) and carry a standard error
+  (the spread of the observed means per request, floored at ``var_floor``, over the decayed
+  request-steps); a fast estimate (an eighth of the half-life) replaces the slow one when they differ
+  by more than ``change_z`` joint standard errors (a workload change: forgotten in tens of steps, not
+  half-lives), once it holds ``change_min`` request-steps; the budgets above the exploited one, known
+  only from old explorations, are then forgotten (explored again).
 
 **Output**: the budget maximising the expected tokens per second ``B * (1 + a_b) / cost(b, B)``, with
 
 * the **chain rule**: a budget other than the chain is taken only when its expected tokens/s, with
   its acceptance lowered by ``z`` standard errors and its cost raised by ``cost_noise``, is at least the
   chain's (a budget with no acceptance data, or stale data whose weight has decayed, fails it), and it
-  is left as soon as its expected tokens/s falls below the chain's: what the policy exploits is never
-  below the chain beyond noise;
+  is left as soon as its upper bound (acceptance plus, cost minus the same margins) falls below the
+  chain's expected tokens/s: what the policy exploits is never below the chain beyond noise; online
+  costs carry their own standard error (EWMA variance per point, :meth:`cost_se`);
 * **hysteresis**: the current budget is kept unless another eligible one is better by more than
   ``hysteresis`` (relative) and beyond noise, and not before ``min_dwell`` steps since the last switch;
   a current budget that stops being eligible is left at once;
@@ -51,20 +55,44 @@ from dataclasses import dataclass, field
 
 @dataclass
 class _Acceptance:
-    """Decayed sums of one budget's acceptance observations (weights: request-steps)."""
+    """Decayed sums of one budget's acceptance observations (weights: request-steps): a slow estimate
+    (the policy's half-life) and a fast one (an eighth of it) that replaces it when the two disagree
+    beyond noise (a workload change)."""
     w: float = 0.0  # request-steps
     s: float = 0.0  # accepted draft tokens
     q: float = 0.0  # sum of requests * (mean of the observation) ** 2
+    fw: float = 0.0  # the fast estimate's sums
+    fs: float = 0.0
+    fq: float = 0.0
     t: int = 0  # the policy's step at the last decay
     seen: int | None = None  # step of the last observation
+    resets: int = 0  # changes detected
 
     def decay(self, now: int, half_life: float) -> None:
         if now > self.t:
             f = 0.5 ** ((now - self.t) / half_life)
-            self.w *= f
-            self.s *= f
-            self.q *= f
+            g = f ** 8
+            self.w, self.s, self.q = self.w * f, self.s * f, self.q * f
+            self.fw, self.fs, self.fq = self.fw * g, self.fs * g, self.fq * g
             self.t = now
+
+    @staticmethod
+    def stats(w: float, s: float, q: float, var_floor: float) -> tuple[float, float]:
+        mean = s / w
+        return mean, max(q / w - mean * mean, var_floor) / w  # mean, its variance
+
+    def add(self, r: float, accepted: float, change_z: float, var_floor: float, min_fast: float) -> bool:
+        m = accepted / r
+        self.w, self.s, self.q = self.w + r, self.s + accepted, self.q + r * m * m
+        self.fw, self.fs, self.fq = self.fw + r, self.fs + accepted, self.fq + r * m * m
+        if self.fw >= min_fast and self.w > self.fw * 1.5:
+            m0, v0 = self.stats(self.w, self.s, self.q, var_floor)
+            m1, v1 = self.stats(self.fw, self.fs, self.fq, var_floor)
+            if abs(m1 - m0) > change_z * math.sqrt(v0 + v1):
+                self.w, self.s, self.q = self.fw, self.fs, self.fq
+                self.resets += 1
+                return True
+        return False
 
 
 @dataclass(frozen=True)
@@ -84,7 +112,7 @@ class BudgetPolicy:
                  hysteresis: float = 0.03, min_dwell: int = 16, explore_period: int = 32,
                  explore_fraction: float = 0.02, warmup: int | None = None, half_life: float = 128.0,
                  cost_noise: float = 0.01, var_floor: float = 0.25, cost_alpha: float = 0.1,
-                 counterfactual: bool = True):
+                 counterfactual: bool = True, change_z: float = 4.0, change_min: float = 16.0):
         chain = int(chain)
         cands = {int(b) for b in budgets} | {chain}
         if max_budget is not None:
@@ -103,7 +131,9 @@ class BudgetPolicy:
         self.half_life = float(half_life)
         self.cost_noise, self.var_floor, self.cost_alpha = float(cost_noise), float(var_floor), float(cost_alpha)
         self.counterfactual = bool(counterfactual)
+        self.change_z, self.change_min = float(change_z), float(change_min)
         self._cost: dict[int, dict[int, float]] = {b: {} for b in self.candidates}
+        self._cost_var: dict[int, dict[int, tuple[float, int]]] = {b: {} for b in self.candidates}  # online
         self._acc: dict[int, _Acceptance] = {b: _Acceptance() for b in self.candidates}
         self.step = 0  # picks made
         self.current: int | None = None  # the exploited budget
@@ -127,14 +157,37 @@ class BudgetPolicy:
         if not seconds > 0:
             raise ValueError(f"a step time must be > 0, got {seconds}")
         self._cost[self._check(budget)][int(B)] = float(seconds)
+        self._cost_var[int(budget)].pop(int(B), None)
 
     def observe_cost(self, budget: int, B: int, seconds: float) -> None:
         """An online step time: EWMA into the point of (budget, B) (the first one sets it)."""
         if not seconds > 0:
             return
-        pts = self._cost[self._check(budget)]
-        old = pts.get(int(B))
-        pts[int(B)] = float(seconds) if old is None else old + self.cost_alpha * (float(seconds) - old)
+        b, B, x = self._check(budget), int(B), float(seconds)
+        pts, var = self._cost[b], self._cost_var[b]
+        old = pts.get(B)
+        if old is None:
+            pts[B], var[B] = x, (0.0, 1)
+            return
+        v, n = var.get(B, (0.0, 0))
+        pts[B] = old + self.cost_alpha * (x - old)
+        var[B] = ((1 - self.cost_alpha) * (v + self.cost_alpha * (x - old) ** 2), n + 1)
+
+    def cost_se(self, budget: int, B: int) -> float:
+        """The relative standard error of :meth:`cost` at ``B``, from the online measurements of the
+        nearest measured batch size (EWMA variance; fewer than 4 measurements: 5 %; points set by
+        :meth:`set_cost`: 0)."""
+        pts = self._cost.get(int(budget))
+        if not pts:
+            return 0.0
+        x = min(pts, key=lambda k: (abs(k - B), k))
+        if x not in self._cost_var[int(budget)]:
+            return 0.0
+        v, n = self._cost_var[int(budget)][x]
+        if n < 4:
+            return 0.05
+        a = self.cost_alpha
+        return math.sqrt(v * a / (2 - a)) / pts[x]
 
     def cost(self, budget: int, B: int) -> float | None:
         """The step time of ``budget`` at ``B`` (interpolated in B), or None (never measured)."""
@@ -164,11 +217,13 @@ class BudgetPolicy:
             return
         a = self._acc[self._check(budget)]
         a.decay(self.step, self.half_life)
-        m = float(accepted) / r
-        a.w += r
-        a.s += float(accepted)
-        a.q += r * m * m
+        changed = a.add(r, float(accepted), self.change_z, self.var_floor, self.change_min)
         a.seen = self.step
+        if changed:  # the budgets above the exploited one, known only from old explorations: try again
+            top = max(int(budget), self.current or 0)
+            for c in self.candidates:
+                if c > top:
+                    self._acc[c] = _Acceptance(t=self.step)
 
     def acceptance(self, budget: int) -> tuple[float, float, float] | None:
         """(mean accepted draft tokens per request-step, its standard error, decayed weight), or None."""
@@ -176,27 +231,29 @@ class BudgetPolicy:
         a.decay(self.step, self.half_life)
         if a.w <= 1e-9 or a.seen is None:
             return None
-        mean = a.s / a.w
-        var = max(a.q / a.w - mean * mean, self.var_floor)
-        return mean, math.sqrt(var / a.w), a.w
+        mean, var = a.stats(a.w, a.s, a.q, self.var_floor)
+        return mean, math.sqrt(var), a.w
 
-    def rate(self, budget: int, B: int, *, lower: bool = False) -> float | None:
-        """Expected tokens per second at ``B`` (``lower``: acceptance minus z standard errors, cost
-        plus cost_noise), or None."""
+    def rate(self, budget: int, B: int, *, lower: bool = False, upper: bool = False) -> float | None:
+        """Expected tokens per second at ``B``, or None. ``lower`` / ``upper``: the bounds beyond noise
+        (acceptance -/+ z standard errors, cost +/- cost_noise and z relative standard errors)."""
         c = self.cost(budget, B)
         acc = self.acceptance(budget)
         if c is None or acc is None or B <= 0:
             return None
         mean, se, _ = acc
         if lower:
-            return B * (1.0 + max(0.0, mean - self.z * se)) / (c * (1.0 + self.cost_noise))
+            return B * (1.0 + max(0.0, mean - self.z * se)) / (c * (1.0 + self.cost_noise + self.z * self.cost_se(budget, B)))
+        if upper:
+            slack = max(1e-3, 1.0 - self.cost_noise - self.z * self.cost_se(budget, B))
+            return B * (1.0 + mean + self.z * se) / (c * slack)
         return B * (1.0 + mean) / c
 
     # ---- the decision -------------------------------------------------------------------------
     def _eligible(self, B: int, chain_rate: float | None) -> dict[int, float]:
         """Candidates the chain rule admits at B -> expected tokens/s: the chain (when its cost is
         known), a budget whose lower bound is at least the chain's rate, and the current budget while
-        its expected rate is at least the chain's (the exit side of the hysteresis band)."""
+        its upper bound is (the exit side of the band: left once it is below the chain beyond noise)."""
         out = {}
         if self.cost(self.chain, B) is not None:
             out[self.chain] = chain_rate if chain_rate is not None else 0.0
@@ -208,8 +265,7 @@ class BudgetPolicy:
             mean = self.rate(b, B)
             if mean is None:
                 continue
-            lo = self.rate(b, B, lower=True)
-            if lo >= chain_rate or (b == self.current and mean >= chain_rate):
+            if self.rate(b, B, lower=True) >= chain_rate or (b == self.current and self.rate(b, B, upper=True) >= chain_rate):
                 out[b] = mean
         return out
 
@@ -300,6 +356,6 @@ class BudgetPolicy:
             a = self.acceptance(b)
             acc[b] = None if a is None else {"accepted": round(a[0], 4), "se": round(a[1], 4), "weight": round(a[2], 1)}
         return {"step": self.step, "current": self.current, "switches": self.switches,
-                "explorations": self.explorations,
+                "explorations": self.explorations, "changes": sum(a.resets for a in self._acc.values()),
                 "explore_share": round(self._explore_extra / self._time, 4) if self._time else 0.0,
                 "acceptance": acc}

@@ -143,6 +143,25 @@ def test_no_oscillation_at_the_chain_boundary():
     assert p.switches <= 2, p.switches
 
 
+@pytest.mark.parametrize("gain", [1.03, 1.05, 1.10])
+@pytest.mark.parametrize("seed", range(2))
+def test_no_oscillation_under_noisy_online_costs(gain, seed):
+    # the tree's expected rate a few % above the chain's, its step times measured online with 15 %
+    # noise: the cost's own standard error keeps the band wide enough not to flap
+    rng = random.Random(seed)
+    p = BudgetPolicy([31], chain=16)
+    c = {16: 1e-3, 31: 1.08e-3}
+    acc = {16: 3.0, 31: (1 + 3.0) * gain * 1.08 - 1}
+    for _ in range(5000):
+        d = p.decide(8)
+        p.observe_cost(d.budget, 8, c[d.budget] * (1 + rng.gauss(0, 0.15)))
+        for b in (16, 31):
+            if b <= d.budget:
+                p.observe(b, 8, max(0.0, acc[b] + rng.gauss(0, 1.5 / 8 ** 0.5)) * 8)
+    assert p.switches <= 2 and p.current == 31, (p.switches, p.current)
+    assert 0 < p.cost_se(31, 8) < 0.05
+
+
 def test_converges_after_a_workload_change():
     # steps 0-1499: the tree pays (63); then the drafter stops matching (dummy-like): the chain
     p = policy()
@@ -151,13 +170,14 @@ def test_converges_after_a_workload_change():
     assert exploited(dec[1000:1500])[-1] == 63
     after = exploited(dec[1500:])
     first_chain = after.index(CHAIN)
-    assert first_chain <= 4 * p.half_life, first_chain
+    assert first_chain <= 2 * p.half_life, first_chain  # the change detector: ~230 steps, not ~470
+    assert p.summary()["changes"] >= 1
     assert set(after[first_chain:]) == {CHAIN}
     # and back: the tree pays again -> found by exploration, within a few half-lives
     p2 = policy()
     dec = run(p2, 3000, 1, lambda i: bad if i < 1500 else good)
     after = exploited(dec[1500:])
-    assert after[-1] == 63 and after.index(63) <= 4 * p2.half_life
+    assert after[-1] == 63 and after.index(63) <= p2.half_life / 2  # 63 forgotten and explored again
 
 
 def test_exploration_without_counterfactuals_covers_every_budget():
