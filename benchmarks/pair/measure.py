@@ -55,7 +55,8 @@ def run_engine(tag, env_extra, a, logs, timeout) -> dict:
     try:
         with open(log, "w") as fh:
             proc = subprocess.run([a.python, os.path.join(HERE, "worker.py")], stdout=subprocess.PIPE,
-                                  stderr=fh, text=True, env=env, timeout=timeout)
+                                  stderr=fh, text=True, env=env, timeout=timeout,
+                                  cwd=logs)  # not the repository: its kernels/ would shadow a module of that name
         out = proc.stdout
         with open(log, "a") as fh:
             fh.write(out)

@@ -169,6 +169,53 @@ class Target(nn.Module):
         h = self.model.norm(x)
         return (self.lm_head(h) if logits else h), aux
 
+    @torch.no_grad()
+    def generate(self, prompts, n: int, temperature: float = 0.0, generator=None, autocast=None):
+        """[b, P] -> [b, P + n]: greedy (temperature 0) or sampled continuations, with a KV cache."""
+        import contextlib
+
+        ctx = autocast or contextlib.nullcontext()
+        b, P = prompts.shape
+        s, dev = self.s, prompts.device
+        L = P + n
+        cos, sin = rope_cos_sin(torch.arange(L, device=dev), s.head_dim, s.theta)
+        cache = []
+
+        def pick(logits):
+            if temperature <= 0:
+                return logits.float().argmax(-1)
+            p = (logits.float() / temperature).softmax(-1)
+            return torch.multinomial(p, 1, generator=generator).squeeze(-1)
+
+        out = torch.empty(b, L, dtype=prompts.dtype, device=dev)
+        out[:, :P] = prompts
+        with ctx:
+            x = self.model.embed_tokens(prompts)
+            for layer in self.model.layers:
+                a = layer.self_attn
+                h = layer.input_layernorm(x)
+                q = apply_rope(a.heads(h, a.q_proj, a.q_norm, s.heads), cos[:P], sin[:P])
+                k, v = a.kv(h, cos[:P], sin[:P])
+                kc = torch.empty(b, s.kv_heads, L, s.head_dim, dtype=k.dtype, device=dev)
+                vc = torch.empty_like(kc)
+                kc[:, :, :P], vc[:, :, :P] = k, v
+                cache.append((kc, vc))
+                x = x + a.attend(q, k, v, causal=True)
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
+            out[:, P] = pick(self.lm_head(self.model.norm(x[:, -1])))
+            for t in range(P, L - 1):
+                x = self.model.embed_tokens(out[:, t:t + 1])
+                for layer, (kc, vc) in zip(self.model.layers, cache):
+                    a = layer.self_attn
+                    h = layer.input_layernorm(x)
+                    q = apply_rope(a.heads(h, a.q_proj, a.q_norm, s.heads), cos[t:t + 1], sin[t:t + 1])
+                    k, v = a.kv(h, cos[t:t + 1], sin[t:t + 1])
+                    kc[:, :, t:t + 1], vc[:, :, t:t + 1] = k, v
+                    x = x + a.attend(q, kc[:, :, :t + 1], vc[:, :, :t + 1])
+                    x = x + layer.mlp(layer.post_attention_layernorm(x))
+                out[:, t + 1] = pick(self.lm_head(self.model.norm(x[:, -1])))
+        return out
+
     def hf_state_dict(self) -> dict:
         return dict(self.state_dict())
 

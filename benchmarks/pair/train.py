@@ -262,7 +262,7 @@ def eval_drafter(drafter, target, held_w, layer_ids, dev, a, seed=1234) -> dict:
             "blocks": n}
 
 
-def train_drafter(a, target, dshape, layer_ids, mask_id, train_w, held_w, dev, deadline):
+def train_drafter(a, target, dshape, layer_ids, mask_id, train_w, held_w, dev, deadline, regen=None):
     g = torch.Generator().manual_seed(a.seed + 1)
     torch.manual_seed(a.seed + 1)
     drafter = Drafter(dshape, len(layer_ids), BLOCK, mask_id).to(dev)
@@ -279,8 +279,10 @@ def train_drafter(a, target, dshape, layer_ids, mask_id, train_w, held_w, dev, d
         if time.time() > deadline:
             stopped = "time"
             break
-        rows = torch.randint(0, train_w.shape[0], (a.dbatch,), generator=g)
-        x = train_w[rows].to(dev, non_blocking=True)
+        use_regen = regen is not None and torch.rand((), generator=g).item() < a.regen_frac
+        pool = regen if use_regen else train_w
+        rows = torch.randint(0, pool.shape[0], (a.dbatch,), generator=g)
+        x = pool[rows].to(dev, non_blocking=True)
         anchors = sample_anchors(x.shape[0], x.shape[1], a.anchors, g).to(dev)
         feats, atok, labels, soft, _, _ = drafter_batch(target, x, anchors, layer_ids, a.labels)
         for grp in opt.param_groups:
@@ -314,23 +316,39 @@ def train_drafter(a, target, dshape, layer_ids, mask_id, train_w, held_w, dev, d
 # ---- offline acceptance (greedy): chain and best-first tree on the target's own continuations ----
 @torch.no_grad()
 def greedy_generate(target, prompts: torch.Tensor, n: int) -> torch.Tensor:
-    """[b, P] -> [b, P + n] (no KV cache: small n, small model)."""
-    x = prompts
-    for _ in range(n):
-        with autocast(x.device):
-            logits, _ = target(x)
-        x = torch.cat([x, logits[:, -1].float().argmax(-1, keepdim=True)], 1)
-    return x
+    """[b, P] -> [b, P + n] (KV cache)."""
+    return target.generate(prompts, n, autocast=autocast(prompts.device))
 
 
-def tree_accept(logq: torch.Tensor, truth: list[int], budget: int) -> int:
+@torch.no_grad()
+def regenerate(target, train_w, a, dev) -> torch.Tensor | None:
+    """Windows whose first ``--regen-prefix`` tokens are train text and the rest the target's own
+    continuation (SpecForge trains its drafters on target-regenerated responses): half greedy, half
+    sampled at temperature 1 (``--regen-temps``), ``--regen-windows`` in all."""
+    if not a.regen_frac or not a.regen_windows:
+        return None
+    g = torch.Generator(device=dev).manual_seed(a.seed + 2)
+    rows = torch.randperm(train_w.shape[0], generator=torch.Generator().manual_seed(a.seed + 2))[:a.regen_windows]
+    temps = [float(t) for t in a.regen_temps.split(",")]
+    out = []
+    chunk = 256 if dev.type == "cuda" else 16
+    for i in range(0, rows.numel(), chunk):
+        x = train_w[rows[i:i + chunk], :a.regen_prefix].to(dev)
+        temp = temps[(i // chunk) % len(temps)]
+        out.append(target.generate(x, a.seq - a.regen_prefix, temperature=temp, generator=g,
+                                   autocast=autocast(dev)).cpu())
+    return torch.cat(out)
+
+
+def tree_accept(logq, truth: list[int], budget: int, top=None) -> int:
     """Accepted depth of a best-first tree of ``budget`` nodes over per-depth log-probabilities
     logq [D, V] (DDTree: a path's score is the sum of its depths' log q), given the target's
-    greedy tokens ``truth`` [D]: the longest prefix of truth that is a node of the tree."""
-    D = logq.shape[0]
-    K = min(8, logq.shape[1])
-    top_v, top_i = logq.topk(K, -1)
-    top_v, top_i = top_v.tolist(), top_i.tolist()
+    greedy tokens ``truth`` [D]: the longest prefix of truth that is a node of the tree.
+    ``top``: (values, indices) [D, K] of logq's top K, instead of logq (K = 8 by default)."""
+    if top is None:
+        top = logq.topk(min(8, logq.shape[1]), -1)
+    top_v, top_i = top[0].tolist(), top[1].tolist()
+    D, K = len(top_v), len(top_v[0])
     # node: tuple of ranks; heap of (-score, ranks)
     heap = [(-top_v[0][0], (0,))]
     inside = set()
@@ -364,8 +382,10 @@ def offline_acceptance(target, drafter, prompts, layer_ids, dev, gen: int, budge
             _, aux = target(seqs[c:c + 4], aux_layers=tuple(layer_ids))
             h = drafter(torch.cat(aux, -1), seqs[c:c + 4].gather(1, anchors[c:c + 4]), anchors[c:c + 4],
                         target.model.embed_tokens)
-            parts.append(target.lm_head(h).float().log_softmax(-1).cpu())
-    logq = torch.cat(parts)  # [b, m, B, V]
+            t = target.lm_head(h).float().log_softmax(-1).topk(8, -1)
+            parts.append((t.values.cpu(), t.indices.cpu()))
+    top_v = torch.cat([v for v, _ in parts])  # [b, m, B, 8]: the drafter's top 8 per slot
+    top_i = torch.cat([i for _, i in parts])
     res = {"chain": [], **{f"tree{n}": [] for n in budgets}}
     for i in range(b):
         s = seqs[i].tolist()
@@ -375,14 +395,14 @@ def offline_acceptance(target, drafter, prompts, layer_ids, dev, gen: int, budge
                 j = p - P
                 depth = min(BLOCK - 1, L - 1 - p)
                 truth = s[p + 1:p + 1 + depth]
-                lq = logq[i, j, 1:1 + depth]
+                tv, ti = top_v[i, j, 1:1 + depth], top_i[i, j, 1:1 + depth]
                 if key == "chain":
-                    guess = lq.argmax(-1).tolist()
+                    guess = ti[:, 0].tolist()
                     k = 0
                     while k < depth and guess[k] == truth[k]:
                         k += 1
                 else:
-                    k = tree_accept(lq, truth, int(key[4:]))
+                    k = tree_accept(None, truth, int(key[4:]), top=(tv, ti))
                 steps += 1
                 toks += k + 1
                 p += k + 1
@@ -449,6 +469,11 @@ def main(argv=None) -> dict:
     p.add_argument("--gamma", type=float, default=7.0)
     p.add_argument("--labels", choices=("soft", "argmax", "data"), default="soft")
     p.add_argument("--deval-every", type=int)
+    p.add_argument("--regen-frac", type=float, default=0.5,
+                   help="share of drafter batches from target-regenerated windows (0: train text only)")
+    p.add_argument("--regen-windows", type=int, help="regenerated windows (prefix of train text + the target's)")
+    p.add_argument("--regen-prefix", type=int, help="train-text tokens before the target's continuation")
+    p.add_argument("--regen-temps", default="0,1", help="generation temperatures, alternating by chunk")
     p.add_argument("--eval-windows", type=int)
     p.add_argument("--prompts", type=int, default=64, help="held-out prompts written for measure.py")
     p.add_argument("--prompt-len", type=int, default=256)
@@ -464,10 +489,13 @@ def main(argv=None) -> dict:
                     batch=16 if tiny else 64, dropout=0.0 if tiny else 0.1, warmup=10 if tiny else 100,
                     eval_every=30 if tiny else 100, draft_layers=1 if tiny else 2, dsteps=40 if tiny else 3000,
                     dbatch=8 if tiny else 32, anchors=8 if tiny else 32, deval_every=1000 if tiny else 500,
-                    eval_windows=16 if tiny else 256, offline_prompts=4 if tiny else 64)
+                    eval_windows=16 if tiny else 256, offline_prompts=4 if tiny else 64,
+                    regen_windows=32 if tiny else 4096)
     for k, v in defaults.items():
         if getattr(a, k) is None:
             setattr(a, k, v)
+    if a.regen_prefix is None:
+        a.regen_prefix = a.seq // 4
     if tiny:
         a.prompt_len = min(a.prompt_len, 48)
         a.offline_gen = min(a.offline_gen, 16)
@@ -507,8 +535,16 @@ def main(argv=None) -> dict:
 
     # budget: the target gets up to 45 % of the wall, the drafter what is left minus evaluation/export
     target, trep = train_target(a, shape, train_w, held_w, dev, T0 + a.minutes * 60 * 0.45)
+    t_regen = time.time()
+    regen = regenerate(target, train_w[:, :a.seq], a, dev)
+    t_regen = round(time.time() - t_regen, 1)
+    if regen is not None:
+        log(f"regenerated {regen.shape[0]} windows ({a.regen_prefix} train tokens + {a.seq - a.regen_prefix} of the "
+            f"target's, temperatures {a.regen_temps}) in {t_regen} s")
     drafter, drep = train_drafter(a, target, dshape, layer_ids, 1, train_w[:, :a.seq], held_w[:, :a.seq], dev,
-                                  deadline_all - (20 if tiny else 45))
+                                  deadline_all - (20 if tiny else 45), regen)
+    drep["regen"] = {"windows": 0 if regen is None else regen.shape[0], "prefix": a.regen_prefix,
+                     "temps": a.regen_temps, "frac": a.regen_frac, "seconds": t_regen}
 
     # held-out prompts for measure.py: the first prompt_len tokens of held-out files (files long enough),
     # then further windows of the longest files
