@@ -85,6 +85,7 @@ ENGINES=("nospec        SPEC=0 EAGER=1 LOGPROBS=2"
          # against nospec-mix-v2-pw: compiled without graphs (cg0); PIECEWISE through breakable CUDA
          # graphs without torch.compile (bnc) and with it (brk); LayerName opaque types off (ln0)
          "dd-mix-v2-fdo    $V2 SPEC=1 EAGER=0 CG_MODE=FULL_DECODE_ONLY DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1 $MIX"
+         "dd-mix-v2-fdonc  $V2 SPEC=1 EAGER=0 CG_MODE=FULL_DECODE_ONLY LLM_KW={\"compilation_config\":{\"mode\":0}} DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1 $MIX"
          "dd-mix-v2-cg0    $V2 SPEC=1 EAGER=0 CG_MODE=NONE DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1 $MIX"
          "dd-mix-v2-pw-bnc $V2 SPEC=1 EAGER=0 CG_MODE=PIECEWISE DIAG_ALLOW_PW034=1 VLLM_USE_BREAKABLE_CUDAGRAPH=1 LLM_KW={\"compilation_config\":{\"mode\":0}} DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1 $MIX"
          "dd-mix-v2-pw-brk $V2 SPEC=1 EAGER=0 CG_MODE=PIECEWISE DIAG_ALLOW_PW034=1 VLLM_USE_BREAKABLE_CUDAGRAPH=1 DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1 $MIX"
