@@ -121,7 +121,7 @@ def main() -> None:
         plen = max(len(p) for p in prompts_all)
         eager = os.environ.get("EAGER", "0" if cuda else "1") == "1"
         kw = dict(model=f"{pair}/target", dtype=os.environ.get("DTYPE", "bfloat16" if cuda else "float32"),
-                  max_model_len=int(os.environ.get("MAX_MODEL_LEN", str(plen + max_tokens + 80))),
+                  max_model_len=int(os.environ.get("MAX_MODEL_LEN", str(plen + max_tokens + 128))),
                   max_num_seqs=max(batches), enforce_eager=eager, disable_log_stats=False, seed=0,
                   max_num_batched_tokens=int(os.environ.get("MAX_BATCHED_TOKENS", "8192")),
                   skip_tokenizer_init=os.environ.get("SKIP_TOKENIZER", "1") == "1")

@@ -29,6 +29,14 @@ the other nodes follow in the builder's pop order. An accepted path that follows
 therefore already sits where vLLM's chain bookkeeping expects it, and the tree step's KV
 compaction moves only the nodes after the first accepted non-top-1 node.
 
+**``DDTREE_PATCH_BUDGET=auto``** (or ``auto:N``; issue 35.2, docs/notebook/budget-auto-study.md): vLLM is
+sized for N as above, and each drafting step hands vLLM only the first b nodes of every tree (node
+order: a subtree; b <= s: the spine, DFlash's chain), b picked on the host by
+``runtime.budget_policy`` among :func:`auto_candidates` from the step times between picks and the
+accounting's prefix-budget counts (:meth:`DDTreeDrafter.next_budget`). The draft width is the next
+step's count only on the V1 runner under sync scheduling; elsewhere :func:`refuse_auto` stops the
+engine at the drafter's bind, by name.
+
 **Per request**: a request the tree walk can verify (``TreeStep.tree_ok``) gets its tree; any
 other request gets a chain (node j's parent is j - 1) made of DFlash's own per-position argmax
 for nodes 1..L_eff and the filler token :data:`FILLER_TOKEN` for nodes L_eff+1..N, and is not
