@@ -80,13 +80,15 @@ ENGINES=("nospec        SPEC=0 EAGER=1 LOGPROBS=2"
          "sd2              SPEC=1 EAGER=0 CG_MODE=FULL_AND_PIECEWISE DDTREE_PATCH_ENABLE=1 $SEEDED N_PROMPTS=2"
          "sd1-v2           $V2 SPEC=1 EAGER=0 CG_MODE=FULL_AND_PIECEWISE DDTREE_PATCH_ENABLE=1 $SEEDED N_PROMPTS=1"
          "sd2-v2           $V2 SPEC=1 EAGER=0 CG_MODE=FULL_AND_PIECEWISE DDTREE_PATCH_ENABLE=1 $SEEDED N_PROMPTS=2"
-         # vLLM 0.34.0, mixed batches: FULL decode graphs (the mode the runtime allows there), and the
-         # diagnosis of the PIECEWISE divergences (DIAG_ALLOW_PW034: the runtime's refusal lifted), each
-         # against nospec-mix-v2-pw: compiled without graphs (cg0); PIECEWISE through breakable CUDA
-         # graphs without torch.compile (bnc) and with it (brk); LayerName opaque types off (ln0)
-         "dd-mix-v2-fdo    $V2 SPEC=1 EAGER=0 CG_MODE=FULL_DECODE_ONLY DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1 $MIX"
+         # vLLM 0.34.0, mixed batches: FULL decode graphs without torch.compile (fdonc: the mode the runtime
+         # allows there beside eager, against the eager no-spec engine), and the diagnosis of the compiled
+         # divergences (DIAG_ALLOW_PW034: the runtime's refusal of torch.compile and PIECEWISE graphs lifted),
+         # each against nospec-mix-v2-pw: FULL decode graphs with torch.compile (fdo), compiled without graphs
+         # (cg0); PIECEWISE through breakable CUDA graphs without torch.compile (bnc) and with it (brk);
+         # LayerName opaque types off (ln0)
+         "dd-mix-v2-fdo    $V2 SPEC=1 EAGER=0 CG_MODE=FULL_DECODE_ONLY DIAG_ALLOW_PW034=1 DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1 $MIX"
          "dd-mix-v2-fdonc  $V2 SPEC=1 EAGER=0 CG_MODE=FULL_DECODE_ONLY LLM_KW={\"compilation_config\":{\"mode\":0}} DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1 $MIX"
-         "dd-mix-v2-cg0    $V2 SPEC=1 EAGER=0 CG_MODE=NONE DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1 $MIX"
+         "dd-mix-v2-cg0    $V2 SPEC=1 EAGER=0 CG_MODE=NONE DIAG_ALLOW_PW034=1 DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1 $MIX"
          "dd-mix-v2-pw-bnc $V2 SPEC=1 EAGER=0 CG_MODE=PIECEWISE DIAG_ALLOW_PW034=1 VLLM_USE_BREAKABLE_CUDAGRAPH=1 LLM_KW={\"compilation_config\":{\"mode\":0}} DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1 $MIX"
          "dd-mix-v2-pw-brk $V2 SPEC=1 EAGER=0 CG_MODE=PIECEWISE DIAG_ALLOW_PW034=1 VLLM_USE_BREAKABLE_CUDAGRAPH=1 DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1 $MIX"
          "dd-mix-v2-pw-ln0 $V2 SPEC=1 EAGER=0 CG_MODE=PIECEWISE DIAG_ALLOW_PW034=1 VLLM_USE_LAYERNAME=0 DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1 $MIX")

