@@ -244,16 +244,19 @@ def _link(name: str) -> str:
     return f"[{name.removesuffix('.json')}](runs/{name})"
 
 
+def _run_compiled(run: tuple) -> bool:
+    """A :func:`gpu_runs` entry's torch.compile flag (entries without one: compiled unless eager)."""
+    return run[5] if len(run) > 5 else run[3] != "eager"
+
+
 def _refused_mode(run: tuple) -> bool:
     """Whether the runtime refuses the run's mode on 0.34.0's FlashAttention forward shape
     (``tree_step.refuse_compiled_fa034``): torch.compile, or PIECEWISE graphs."""
-    mode, compiled = run[3], (run[5] if len(run) > 5 else run[3] != "eager")
-    return compiled or mode in ("PIECEWISE", "FULL_AND_PIECEWISE")
+    return _run_compiled(run) or run[3] in ("PIECEWISE", "FULL_AND_PIECEWISE")
 
 
 def _mode(run: tuple) -> str:
-    compiled = run[5] if len(run) > 5 else run[3] != "eager"
-    return run[3] + (" without torch.compile" if run[3] != "eager" and not compiled else "")
+    return run[3] + (" without torch.compile" if run[3] != "eager" and not _run_compiled(run) else "")
 
 
 def _gpu_cell(runs: list, refuses_compiled: bool = False) -> str | None:
