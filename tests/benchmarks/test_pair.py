@@ -211,6 +211,10 @@ def test_tiny_training_writes_a_pair(tiny_pair):
     for f in ("target/config.json", "target/model.safetensors", "target/tokenizer.json", "target/tokenizer_config.json",
               "dflash/config.json", "dflash/model.safetensors", "heldout.json", "train_report.json"):
         assert (out / f).exists(), f
+    # both loops ran to plan: the wall budget counts from main(), not from train.py's import (pytest imports it
+    # at collection; under xdist the fixture ran minutes later and both loops stopped at once: CI, stop 44)
+    for part in ("target", "drafter"):
+        assert rep[part]["stopped_by"] == "steps" and rep[part]["steps"] == rep[part]["planned_steps"], rep[part]
     assert math.isfinite(rep["target"]["best"]["ppl"]) and rep["target"]["best"]["entropy_nats"] > 0
     assert len(rep["drafter"]["final"]["top1"]) == 15
     assert all(a <= b <= c for a, b, c in zip(*(rep["drafter"]["final"][k] for k in ("top1", "top2", "top3"))))
