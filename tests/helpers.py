@@ -56,6 +56,35 @@ def added_lines(before: bytes, after: bytes) -> list[str]:
 ENGINE_TOOLS = REPO / "tests" / "patches" / "engine_tools"
 
 
+def probe_result(what: str, returncode: int, out: str, err: str, prefix: str = "PROBE-RESULT ") -> dict:
+    """The JSON of a probe's last ``prefix`` line; a probe that printed none (an import failure, a
+    crash) fails the test with the tails of its output, never skips it."""
+    import pytest
+
+    lines = [line for line in out.splitlines() if line.startswith(prefix)]
+    if not lines:
+        pytest.fail(f"{what} failed (exit {returncode}):\n{out[-3000:]}\n{err[-5000:]}")
+    return json.loads(lines[-1][len(prefix):])
+
+
+def paged_batch(nsched: list[int], ctx: list[int], nb: int, bs: int, g):
+    """A paged KV batch for the tree step's FlashAttention tests: request r has ``ctx[r]`` cached
+    tokens and ``nsched[r]`` new ones, its blocks drawn from a random permutation of ``nb`` blocks of
+    ``bs`` (generator ``g``). Returns ``(seq_lens, block_table, query_start_loc)`` (int32)."""
+    import torch
+
+    seq = [c + n for c, n in zip(ctx, nsched)]
+    blocks = torch.randperm(nb, generator=g)
+    need = [(s + bs - 1) // bs for s in seq]
+    bt = torch.zeros(len(nsched), max(need), dtype=torch.int32)
+    at = 0
+    for r, k in enumerate(need):
+        bt[r, :k] = blocks[at:at + k]
+        at += k
+    qsl = torch.tensor([0] + list(torch.tensor(nsched).cumsum(0)), dtype=torch.int32)
+    return torch.tensor(seq, dtype=torch.int32), bt, qsl
+
+
 def cpu_env(**extra) -> dict:
     """The environment for a subprocess running vLLM on CPU (Triton interpreter), without the
     settings of ours or vLLM's that would change which code runs; ``extra`` on top."""

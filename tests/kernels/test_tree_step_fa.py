@@ -25,6 +25,7 @@ from ddtree_patcher.kernels.tree_step_reference import (
     tree_attention_ref,
 )
 from ddtree_patcher.runtime import tree_step as TS
+from helpers import paged_batch
 
 NB, BS, HKV, HQ, D = 24, 4, 2, 4, 16
 SCALE = D ** -0.5
@@ -59,17 +60,9 @@ def step(nsched, trees, ctx, seed):
     st.device = torch.device("cpu")
     st.fa_varlen = fa_emulation(calls)
     st.set_plan(B, T, nsched, trees, None)
-    seq = [c + n for c, n in zip(ctx, nsched)]
-    blocks = torch.randperm(NB, generator=g)
-    need = [(s + BS - 1) // BS for s in seq]
-    bt = torch.zeros(B, max(need), dtype=torch.int32)
-    at = 0
-    for r, k in enumerate(need):
-        bt[r, :k] = blocks[at:at + k]
-        at += k
-    qsl = torch.tensor([0] + list(torch.tensor(nsched).cumsum(0)), dtype=torch.int32)
-    md = types.SimpleNamespace(num_actual_tokens=T, query_start_loc=qsl, seq_lens=torch.tensor(seq, dtype=torch.int32),
-                               max_query_len=max(nsched), max_seq_len=max(seq), block_table=bt,
+    seq_lens, bt, qsl = paged_batch(nsched, ctx, NB, BS, g)
+    md = types.SimpleNamespace(num_actual_tokens=T, query_start_loc=qsl, seq_lens=seq_lens,
+                               max_query_len=max(nsched), max_seq_len=int(seq_lens.max()), block_table=bt,
                                scheduler_metadata=None, max_num_splits=0)
     impl = types.SimpleNamespace(num_heads=HQ, head_size=D, scale=SCALE, vllm_flash_attn_version=3)
     return st, md, impl, calls, g

@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import ast
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ import libcst as cst
 import pytest
 
 import vllm_wheels
-from helpers import added_lines, cpu_env, statuses, tree_bytes
+from helpers import added_lines, cpu_env, probe_result, statuses, tree_bytes
 from ddtree_patcher.engine import series
 from ddtree_patcher.examine import examine
 from ddtree_patcher.patches import ddtree_proposer as P, tree_walk_hook as T
@@ -334,10 +333,7 @@ def _start_probe(args: list[str], cwd: Path, **env) -> subprocess.Popen:
 
 def _result(proc: subprocess.Popen) -> dict:
     out, err = proc.communicate(timeout=900)
-    lines = [line for line in out.splitlines() if line.startswith("PROBE-RESULT ")]
-    if not lines:  # an import failure is a failure, never a skip
-        pytest.fail(f"probe failed (exit {proc.returncode}):\n{out[-3000:]}\n{err[-5000:]}")
-    return json.loads(lines[-1][len("PROBE-RESULT "):])
+    return probe_result("probe", proc.returncode, out, err)
 
 
 def _patched(dest: Path, root: Path) -> Path:

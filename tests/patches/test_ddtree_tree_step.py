@@ -26,7 +26,7 @@ import libcst as cst
 import pytest
 
 import vllm_wheels
-from helpers import added_lines, assert_shapes_are_those_of_the_wheels, cpu_env, statuses, tree_bytes
+from helpers import added_lines, assert_shapes_are_those_of_the_wheels, cpu_env, probe_result, statuses, tree_bytes
 from ddtree_patcher.engine import series
 from ddtree_patcher.examine import examine
 from ddtree_patcher.patches import ddtree_proposer, ddtree_tree_step as P, tree_walk_hook
@@ -290,10 +290,7 @@ def test_unit_on_the_cpu_backend(version, tmp_path, cli):
     python, path = _release_env(version, site)
     proc = subprocess.run([python, str(TOOLS / "unit_probe.py")], capture_output=True, text=True,
                           timeout=600, cwd=str(tmp_path), env=cpu_env(PYTHONPATH=path, PYTHONDONTWRITEBYTECODE="1"))
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("PROBE-RESULT ")]
-    if not lines:
-        pytest.fail(f"unit probe failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    res = json.loads(lines[-1][len("PROBE-RESULT "):])
+    res = probe_result("unit probe", proc.returncode, proc.stdout, proc.stderr)
     checks = {k: v for k, v in res.items() if not k.startswith("isa[")}
     assert len(checks) == 12, json.dumps(res, indent=1)
     for key, v in checks.items():
@@ -326,10 +323,7 @@ def test_fa_forward_on_cpu(version, tmp_path):
     proc = subprocess.run([sys.executable, str(TOOLS / "fa_forward_probe.py"), str(root), str(patched)],
                           capture_output=True, text=True, timeout=600, cwd=str(tmp_path),
                           env=cpu_env(PYTHONDONTWRITEBYTECODE="1"))
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if not lines:
-        pytest.fail(f"fa_forward_probe failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    res = json.loads(lines[-1][len("RESULT "):])
+    res = probe_result("fa_forward_probe", proc.returncode, proc.stdout, proc.stderr, prefix="RESULT ")
     assert res["has_fa4_wrapper"] == (FA_VARIANT[version] in ("fa-0.30", "fa-0.34")), res
     want = {"all_tree": ["context"], "mixed": ["causal", "context"], "no_tree_step": ["causal"]}
     for step, calls in want.items():

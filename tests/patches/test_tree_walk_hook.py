@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -24,7 +23,7 @@ import libcst as cst
 import pytest
 
 import vllm_wheels
-from helpers import added_lines, assert_shapes_are_those_of_the_wheels, cpu_env, engine_run, ENGINE_TOOLS as TOOLS, REPO, statuses, tree_bytes
+from helpers import added_lines, assert_shapes_are_those_of_the_wheels, cpu_env, engine_run, ENGINE_TOOLS as TOOLS, probe_result, REPO, statuses, tree_bytes
 from ddtree_patcher.runtime import hook
 from ddtree_patcher.engine import series
 from ddtree_patcher.examine import examine
@@ -157,10 +156,7 @@ def unit_probe(tmp_path_factory):
     proc = subprocess.run([sys.executable, str(TOOLS / "unit_probe.py"), str(site), str(full)],
                           capture_output=True, text=True, timeout=600, cwd=str(site.parent),
                           env=cpu_env(PYTHONDONTWRITEBYTECODE="1"))
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("PROBE-RESULT ")]
-    if not lines:  # an import failure is a failure, never a skip
-        pytest.fail(f"unit probe failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    return json.loads(lines[-1][len("PROBE-RESULT "):])
+    return probe_result("unit probe", proc.returncode, proc.stdout, proc.stderr)
 
 
 PROBES = (

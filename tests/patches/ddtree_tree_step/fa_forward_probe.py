@@ -27,6 +27,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT, PATCHED = sys.argv[1], sys.argv[2]
 sys.path.insert(0, ROOT)
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # tests/: helpers
 
 import torch  # noqa: E402
 
@@ -34,6 +35,7 @@ from ddtree_patcher.kernels.tree_step_reference import (  # noqa: E402
     causal_attention_ref, context_attention_ref, tree_attention_ref,
 )
 from ddtree_patcher.runtime import tree_step as TS  # noqa: E402
+from helpers import paged_batch  # noqa: E402
 
 NAME = "vllm.v1.attention.backends.flash_attn"
 spec = importlib.util.spec_from_file_location(NAME, PATCHED)
@@ -88,18 +90,10 @@ def run(nsched, trees, ctx, seed, active=True):
     st.fa_varlen = getattr(FA, "flash_attn_varlen_func")  # what bind takes (TargetTreeStep._fa_views)
     st.set_plan(B, T, nsched, [(r, n, torch.tensor(p)) for r, n, p in trees], None)
     st.active = active
-    seq = [c + n for c, n in zip(ctx, nsched)]
-    blocks = torch.randperm(NB, generator=g)
-    need = [(s + BS - 1) // BS for s in seq]
-    bt = torch.zeros(B, max(need), dtype=torch.int32)
-    at = 0
-    for r, k in enumerate(need):
-        bt[r, :k] = blocks[at:at + k]
-        at += k
-    qsl = torch.tensor([0] + list(torch.tensor(nsched).cumsum(0)), dtype=torch.int32)
+    seq_lens, bt, qsl = paged_batch(nsched, ctx, NB, BS, g)
     md = types.SimpleNamespace(
-        num_actual_tokens=T, query_start_loc=qsl, seq_lens=torch.tensor(seq, dtype=torch.int32),
-        max_query_len=max(nsched), max_seq_len=max(seq), block_table=bt, scheduler_metadata=None, max_num_splits=0,
+        num_actual_tokens=T, query_start_loc=qsl, seq_lens=seq_lens,
+        max_query_len=max(nsched), max_seq_len=int(seq_lens.max()), block_table=bt, scheduler_metadata=None, max_num_splits=0,
         use_cascade=False, causal=True, sliding_window=None, mm_prefix_range_tensor=None,
         mm_prefix_query_range_tensor=None, rswa_prefix_lens=None, rswa_window_tensor=None)
     impl = make_impl()

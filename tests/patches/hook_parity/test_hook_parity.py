@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 import vllm_wheels
-from helpers import cpu_env
+from helpers import cpu_env, probe_result
 
 HERE = Path(__file__).resolve().parent
 FAMILIES = [("0.20.0", "v1"), ("0.28.0", "v1"), ("0.24.0", "v2"), ("0.26.0", "v2"), ("0.28.0", "v2"), ("0.33.0", "v2")]
@@ -51,10 +51,7 @@ def run_probe(version: str, family: str, groups: str, tmp_path: Path, runtime: s
                            groups] + ([runtime] if runtime else []),
                           capture_output=True, text=True, timeout=1800, cwd=str(tmp_path),
                           env=cpu_env(PYTHONDONTWRITEBYTECODE="1"))
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("PROBE-RESULT ")]
-    if not lines:
-        pytest.fail(f"probe failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    res = json.loads(lines[-1][len("PROBE-RESULT "):])
+    res = probe_result("probe", proc.returncode, proc.stdout, proc.stderr)
     stats = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("PROBE-STATS "))[12:])
     return res, stats, proc.stdout
 
