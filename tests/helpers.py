@@ -85,6 +85,23 @@ def paged_batch(nsched: list[int], ctx: list[int], nb: int, bs: int, g):
     return torch.tensor(seq, dtype=torch.int32), bt, qsl
 
 
+def set_plan(step, B: int, T: int, num_scheduled_tokens, trees, positions=None) -> None:
+    """A tree step's plan from ``trees`` [(batch row, n nodes, local parents [n])] (rows in batch
+    order, ``num_scheduled_tokens`` per row), through the runtime's own
+    ``TargetTreeStep.set_plan_parents``; ``positions`` (linear) get ``ctx + depth`` at the tree rows,
+    in place. Test scaffolding: in vLLM the plan comes from the verify-side channel's attachments."""
+    import torch
+
+    nd = [0] * B
+    for r, n, _ in trees:
+        nd[r] = n
+    W = max(nd) + 1
+    par = torch.full((B, W), -1, dtype=torch.int64, device=step.device)
+    for r, n, p in trees:
+        par[r, 1:n + 1] = p[:n].to(torch.int64)
+    step.set_plan_parents(B, T, num_scheduled_tokens, nd, par, positions)
+
+
 def cpu_env(**extra) -> dict:
     """The environment for a subprocess running vLLM on CPU (Triton interpreter), without the
     settings of ours or vLLM's that would change which code runs; ``extra`` on top."""

@@ -71,6 +71,7 @@ from .switches import (  # noqa: F401  (DEFAULT_BUDGET, MAX_BUDGET: this module'
     DEFAULT_BUDGET, ENV_AUTO_CYCLE, ENV_BUDGET, ENV_CHAIN, ENV_ENABLE, MAX_BUDGET, DDTreeConfigError, auto_cycle,
     budget_auto, budget_from_env, switch,
 )
+from .tree_step_coverage import DDTreeNotReady  # noqa: F401 - raised here, and this module's public name
 
 DDTREE_ABI = 1  # the call-site <-> runtime contract; bump on any incompatible change
 FILLER_TOKEN = 0  # chain nodes past the drafter's depth, and tree padding nodes
@@ -80,11 +81,6 @@ SPINE_FIRST = True
 CONFIG_ATTR = "ddtree_patch"  # the record configure() leaves on the SpeculativeConfig object
 
 logger = logging.getLogger("vllm.ddtree_patch")
-
-
-class DDTreeNotReady(RuntimeError):
-    """DDTree mode is refused where the tree-shaped target step (issue 13) is not installed or
-    does not cover the configuration (runner, attention backend, layer options)."""
 
 
 class DDTreeABIError(RuntimeError):
@@ -170,9 +166,9 @@ def refuse_without_tree_target_step() -> None:
     naming why. The rest is checked where it is known: a V2 runner without the tree step's V2
     sites (every V2 shape but vLLM 0.26.0's) refuses when it is built (a ddtree-tree-step site),
     and the runner checks the attention backend and the layers' options when it binds the step."""
-    from . import tree_step
+    from .tree_step_coverage import not_installed_reason
 
-    why = tree_step.not_installed_reason()
+    why = not_installed_reason()
     if why is not None:
         raise DDTreeNotReady(
             "ddtree-patch: DDTREE_PATCH_ENABLE=1 is refused: DDTree drafting (ddtree-proposer) is "
@@ -273,7 +269,7 @@ def bind_v1(drafter: Any, runner: Any, *, ddtree_abi: int) -> "DDTreeDrafter":
         raise DDTreeConfigError(f"ddtree-patch: DDTree drafts with DFlash drafters only (method={spec.method!r})")
     record = _record(spec, type(drafter).__name__)
     refuse_v1_budget(record["budget"])
-    from .tree_step import refuse_uncovered_config
+    from .tree_step_coverage import refuse_uncovered_config
 
     refuse_uncovered_config(drafter.vllm_config)  # FULL graphs, KV connectors: before any capture
     if budget_auto():

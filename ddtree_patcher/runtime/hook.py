@@ -365,6 +365,15 @@ class TreeStep:
     def detach(self, req_id: str) -> None:
         self._where.pop(req_id, None)
 
+    def attachment(self, k: int):
+        """The parents ``[B, n]`` of attachment ``k`` (the ``k`` :meth:`attach` passed to
+        ``on_attach``), or None once a later attach dropped it."""
+        return self._att[k] if 0 <= k < len(self._att) else None
+
+    def where(self, req_id: str) -> tuple[int, int] | None:
+        """``(attachment, row)`` of the tree attached to ``req_id`` and not yet verified, or None."""
+        return self._where.get(req_id)
+
     def pending_tree(self, req_id: str, n: int):
         """The first ``n`` local parents (a device view) of the tree attached to ``req_id`` and
         not yet verified, or None (no tree: the request is verified as a chain). Does not consume

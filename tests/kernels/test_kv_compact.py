@@ -190,9 +190,9 @@ def test_named_errors():
 
 def test_compaction_counters_match_the_torch_count():
     """``counts``/``tree``: the kernel adds each request's moved depths (j_d != d, d <= a) and a
-    histogram of a over tree rows, as the tree step counted with torch before (``_moved_depths``);
+    histogram of a over tree rows, as the tree step counted with torch before (``moved_depths``);
     counts accumulate over calls; only the first view group counts."""
-    from ddtree_patcher.runtime.tree_step import _moved_depths
+    from ddtree_patcher.runtime.tree_compaction import moved_depths
 
     gen = torch.Generator().manual_seed(5)
     c = make_case([5, 37, 0, 20, 3], [9, 12, 4, 0, 7], Hq=2, Hkv=2, D=D, bs=16, seed=3)
@@ -208,7 +208,7 @@ def test_compaction_counters_match_the_torch_count():
     assert len(comp.groups) == 2
     for _ in range(2):
         assert comp(c.slot_mapping, c.query_start_loc, rows, acc, num_reqs=5, counts=counts, tree=tree)
-    want_moved = int(_moved_depths(rows.to(torch.int64), acc.to(torch.int64))[2].sum())
+    want_moved = int(moved_depths(rows.to(torch.int64), acc.to(torch.int64))[2].sum())
     want_hist = torch.zeros(W, dtype=torch.int64).scatter_add_(0, acc.to(torch.int64).clamp(0, W - 1),
                                                                tree.to(torch.int64))
     assert want_moved > 0

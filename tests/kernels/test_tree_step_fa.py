@@ -25,7 +25,7 @@ from ddtree_patcher.kernels.tree_step_reference import (
     tree_attention_ref,
 )
 from ddtree_patcher.runtime import tree_step as TS
-from helpers import paged_batch
+from helpers import paged_batch, set_plan
 
 NB, BS, HKV, HQ, D = 24, 4, 2, 4, 16
 SCALE = D ** -0.5
@@ -59,7 +59,7 @@ def step(nsched, trees, ctx, seed):
     st._init_state()
     st.device = torch.device("cpu")
     st.fa_varlen = fa_emulation(calls)
-    st.set_plan(B, T, nsched, trees, None)
+    set_plan(st, B, T, nsched, trees, None)
     seq_lens, bt, qsl = paged_batch(nsched, ctx, NB, BS, g)
     md = types.SimpleNamespace(num_actual_tokens=T, query_start_loc=qsl, seq_lens=seq_lens,
                                max_query_len=max(nsched), max_seq_len=int(seq_lens.max()), block_table=bt,

@@ -35,7 +35,7 @@ from ddtree_patcher.kernels.tree_step_reference import (  # noqa: E402
     causal_attention_ref, context_attention_ref, tree_attention_ref,
 )
 from ddtree_patcher.runtime import tree_step as TS  # noqa: E402
-from helpers import paged_batch  # noqa: E402
+from helpers import paged_batch, set_plan  # noqa: E402
 
 NAME = "vllm.v1.attention.backends.flash_attn"
 spec = importlib.util.spec_from_file_location(NAME, PATCHED)
@@ -88,7 +88,7 @@ def run(nsched, trees, ctx, seed, active=True):
     st._init_state()
     st.device = torch.device("cpu")
     st.fa_varlen = getattr(FA, "flash_attn_varlen_func")  # what bind takes (TargetTreeStep._fa_views)
-    st.set_plan(B, T, nsched, [(r, n, torch.tensor(p)) for r, n, p in trees], None)
+    set_plan(st, B, T, nsched, [(r, n, torch.tensor(p)) for r, n, p in trees], None)
     st.active = active
     seq_lens, bt, qsl = paged_batch(nsched, ctx, NB, BS, g)
     md = types.SimpleNamespace(

@@ -38,6 +38,9 @@ from vllm import _custom_ops as ops  # noqa: E402
 from ddtree_patcher.kernels import compact_kv_ref  # noqa: E402
 from ddtree_patcher.runtime import tree_step as TS  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # tests/: helpers
+from helpers import set_plan  # noqa: E402
+
 RESULTS = {}
 Hq, Hkv, D = 4, 2, 64
 
@@ -148,7 +151,7 @@ class Case:
                     (self.isa, got.stride(), want.stride())
         trees = [(r, len(p), torch.tensor(p, dtype=torch.int32)) for r, (_, _, p) in enumerate(self.reqs) if p]
         self.pos_tree = self.positions.clone()
-        st.set_plan(self.B, self.T, self.nsched, trees, self.pos_tree)
+        set_plan(st, self.B, self.T, self.nsched, trees, self.pos_tree)
         return st
 
     def forward(self, st):
