@@ -38,15 +38,13 @@ anchors and what the runtime reads unchanged; proven on CPU: tests/patches/test_
 
 from __future__ import annotations
 
+from ddtree_patcher.runtime.contract import CONFIG_ATTR, DDTREE_ABI, ENV_ENABLE, mark
 from ddtree_patcher.patchlib import (
     DFLASH_MODEL, V1_DFLASH, Patch, PatchFile, Site, Variant, cst, insert_statements, m, runtime_check,
 )
 
 ID = "ddtree-proposer"
-MARK = f"# ddtree-patch: {ID}"
-DDTREE_ABI = 1  # must equal ddtree_patcher.runtime.ddtree.DDTREE_ABI; written into the call sites
-ENV_ENABLE = "DDTREE_PATCH_ENABLE"
-CONFIG_ATTR = "ddtree_patch"
+MARK = mark(ID)
 
 SPEC_PY = "vllm/config/speculative.py"
 DFLASH_V1_PY = "vllm/v1/spec_decode/dflash.py"

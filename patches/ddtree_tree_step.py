@@ -65,15 +65,14 @@ Everywhere else the patch is not applicable and DDTree keeps refusing to start, 
 
 from __future__ import annotations
 
+from ddtree_patcher.runtime.contract import ENV_ENABLE, TREE_STEP_ABI, TREE_STEP_ATTR, mark
 from ddtree_patcher.patchlib import (
     DFLASH_MODEL, V1_DFLASH, Patch, PatchFile, Site, Variant, insert_statements, m, runtime_check,
 )
 
 ID = "ddtree-tree-step"
-MARK = f"# ddtree-patch: {ID}"
-TREE_STEP_ABI = 4  # must equal ddtree_patcher.runtime.tree_step.TREE_STEP_ABI; written into the call sites
-ENV_ENABLE = "DDTREE_PATCH_ENABLE"
-ATTR = "ddtree_tree_step"
+MARK = mark(ID)
+ATTR = TREE_STEP_ATTR
 
 RUNNER_PY = "vllm/v1/worker/gpu_model_runner.py"
 CPU_ATTN_PY = "vllm/v1/attention/backends/cpu_attn.py"

@@ -36,12 +36,13 @@ Shapes, chosen by code shape (never by version):
 
 from __future__ import annotations
 
+from ddtree_patcher.runtime.contract import mark
 from ddtree_patcher.patchlib import (
     DFLASH_MODEL, Patch, PatchFile, Site, Variant, absent_site, any_of, cst, m, never, rules_rewrite,
 )
 
 ID = "dflash-prefix-cache-drop"
-MARK = f"# ddtree-patch: {ID}"
+MARK = mark(ID)
 INIT = "Scheduler.__init__"
 SPLIT = "Scheduler._mamba_block_aligned_split"
 SCHEDULE = "Scheduler.schedule"

@@ -50,13 +50,13 @@ with a named error (``ddtree_patcher.runtime.swa.MixedDrafterOnV2Error``). ``gpu
 
 from __future__ import annotations
 
+from ddtree_patcher.runtime.contract import SWA_ABI, mark
 from ddtree_patcher.patchlib import (
     V1_DFLASH, Patch, PatchFile, Site, Variant, absent_site, any_of, cst, m, never, rules_rewrite, runtime_abi,
 )
 
 ID = "dflash-sliding-window"
-MARK = f"# ddtree-patch: {ID}"
-SWA_ABI = 2  # must equal ddtree_patcher.runtime.swa.SWA_ABI; written into every call site
+MARK = mark(ID)
 DFLASH_PY = "vllm/model_executor/models/qwen3_dflash.py"
 PROPOSER_PY = "vllm/v1/spec_decode/llm_base_proposer.py"
 DFLASH_PROPOSER_PY = "vllm/v1/spec_decode/dflash.py"

@@ -31,19 +31,17 @@ drafts left the call) carries the V2 site, proven on CPU (tests/patches/test_ddt
 
 from __future__ import annotations
 
+from ddtree_patcher.runtime.contract import ENV_CHAIN, ENV_ENABLE, HOOK_ABI, mark
 from ddtree_patcher.patchlib import (
     DFLASH_MODEL, V1_DFLASH, Patch, PatchFile, Site, Variant, cst, m, runtime_abi,
 )
 
 ID = "tree-walk-hook"
-MARK = f"# ddtree-patch: {ID}"
-HOOK_ABI = 2  # must equal ddtree_patcher.runtime.hook.HOOK_ABI; written into every call site
+MARK = mark(ID)
 V1_PY = "vllm/v1/worker/gpu_model_runner.py"
 V2_PY = "vllm/v1/worker/gpu/model_runner.py"
 V1_FN = "GPUModelRunner._sample"
 V2_FN = "GPUModelRunner.sample"
-ENV_ENABLE = "DDTREE_PATCH_ENABLE"
-ENV_CHAIN = "DDTREE_PATCH_CHAIN_AS_TREE"
 
 
 # ---- anchor: `sampler_output = self.rejection_sampler(...)` ---------------------------------

@@ -67,18 +67,17 @@ import os
 import weakref
 from typing import Any
 
+from .contract import CONFIG_ATTR, DDTREE_ABI  # noqa: F401 - the call sites' contract
 from .switches import (  # noqa: F401  (DEFAULT_BUDGET, MAX_BUDGET: this module's public names)
     DEFAULT_BUDGET, ENV_AUTO_CYCLE, ENV_BUDGET, ENV_CHAIN, ENV_ENABLE, MAX_BUDGET, DDTreeConfigError, auto_cycle,
     budget_auto, budget_from_env, switch,
 )
 from .tree_step_coverage import DDTreeNotReady  # noqa: F401 - raised here, and this module's public name
 
-DDTREE_ABI = 1  # the call-site <-> runtime contract; bump on any incompatible change
 FILLER_TOKEN = 0  # chain nodes past the drafter's depth, and tree padding nodes
 # node order of the trees (build_tree's spine_first): the top-1 chain first, so the compaction
 # after the walk moves only what follows the first accepted non-top-1 node (docs/tree-step.md)
 SPINE_FIRST = True
-CONFIG_ATTR = "ddtree_patch"  # the record configure() leaves on the SpeculativeConfig object
 
 logger = logging.getLogger("vllm.ddtree_patch")
 

@@ -71,9 +71,9 @@ import os
 import weakref
 from typing import Any, Sequence
 
+from .contract import HOOK_ABI  # the call sites' contract
 from .switches import ENV_CHAIN, ENV_ENABLE, switch
 
-HOOK_ABI = 2  # the call-site <-> runtime contract; bump on any incompatible change
 RUNNERS = ("V1", "V2")
 
 logger = logging.getLogger("ddtree_patcher.runtime.hook")

@@ -37,7 +37,8 @@ from __future__ import annotations
 
 from typing import Any
 
-SWA_ABI = 2  # written into every call site as ``swa_abi=N``
+from .contract import SWA_ABI  # noqa: F401 - written into every call site as ``swa_abi=N``
+
 SLIDING = "sliding_attention"
 
 

@@ -12,19 +12,15 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .switches import ENV_ENABLE
+from .contract import ENV_ENABLE, TREE_STEP_ABI, TREE_STEP_ATTR, mark
 
-TREE_STEP_ABI = 4  # the call-site <-> runtime contract; bump on any incompatible change
-# (2: the FlashAttention site moved before the forward's causal call and returns when
-# fa_attention() handled the layer; 3: a capture_model site binds the tree step before CUDA graph
-# capture, for FULL decode graphs; 4: the V2 runner's sites, check_v2_runner instead of refuse_v2)
 # The second stream pays where FA3's context pass leaves the GPU idle: measured on the H200 (Qwen3-8B
 # attention shape, ctx 1K, in-graph): B = 1 saves 3-4.5 µs per layer, B = 8 is within +-1 µs, B = 32
 # loses 2-9 µs (the context pass fills the GPU; the extra merge launch remains). FULL graphs are
 # captured per padded batch size, so each capture takes the faster form.
 STREAM_MAX_REQS = 8
-ATTR = "ddtree_tree_step"  # on the runner, and on the attention impls of the target layers
-MARK = "# ddtree-patch: ddtree-tree-step"
+ATTR = TREE_STEP_ATTR  # on the runner, and on the attention impls of the target layers
+MARK = mark("ddtree-tree-step")
 # Files that carry the call sites (relative to the directory holding the ``vllm`` package).
 RUNNER_PY = "vllm/v1/worker/gpu_model_runner.py"
 RUNNER_V2_PY = "vllm/v1/worker/gpu/model_runner.py"
