@@ -25,6 +25,13 @@ TREE_STEP_ATTR = "ddtree_tree_step"  # on the runner, its V2 speculator and the 
 CONFIG_ATTR = "ddtree_patch"  # the record ddtree-proposer's config site leaves on the SpeculativeConfig
 
 
+def abi_mismatch(patch_id: str, call_sites_abi: int, runtime_abi: int) -> str:
+    """The refusal text when a vLLM's call sites of ``patch_id`` speak another ABI than this runtime."""
+    return (f"ddtree-patch: this vLLM's {patch_id} call sites speak ABI {call_sites_abi}, the installed "
+            f"ddtree_patcher speaks ABI {runtime_abi}: re-apply with the installed tool "
+            "(`ddtree-patch revert && ddtree-patch apply`, then restart vLLM)")
+
+
 def mark(patch_id: str) -> str:
     """The comment every line a patch writes ends with (how ``verify`` and ``revert`` find them)."""
     return MARK_PREFIX + patch_id

@@ -67,7 +67,7 @@ import os
 import weakref
 from typing import Any
 
-from .contract import CONFIG_ATTR, DDTREE_ABI  # noqa: F401 - the call sites' contract
+from .contract import CONFIG_ATTR, DDTREE_ABI, abi_mismatch  # noqa: F401 - the call sites' contract
 from .switches import (  # noqa: F401  (DEFAULT_BUDGET, MAX_BUDGET: this module's public names)
     DEFAULT_BUDGET, ENV_AUTO_CYCLE, ENV_BUDGET, ENV_CHAIN, ENV_ENABLE, MAX_BUDGET, DDTreeConfigError, auto_cycle,
     budget_auto, budget_from_env, switch,
@@ -94,10 +94,7 @@ def enabled() -> bool:
 
 def check_abi(ddtree_abi: int) -> None:
     if ddtree_abi != DDTREE_ABI:
-        raise DDTreeABIError(
-            f"ddtree-patch: this vLLM's ddtree-proposer call sites speak ABI {ddtree_abi}, the "
-            f"installed ddtree_patcher speaks ABI {DDTREE_ABI}: re-apply with the installed tool "
-            "(`ddtree-patch revert && ddtree-patch apply`, then restart vLLM)")
+        raise DDTreeABIError(abi_mismatch("ddtree-proposer", ddtree_abi, DDTREE_ABI))
 
 
 def mode_line() -> str:

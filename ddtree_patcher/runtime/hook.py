@@ -69,6 +69,7 @@ from __future__ import annotations
 import logging
 import os
 import weakref
+from types import MappingProxyType
 from typing import Any, Sequence
 
 from .contract import HOOK_ABI  # the call sites' contract
@@ -370,9 +371,10 @@ class TreeStep:
         ``on_attach``), or None once a later attach dropped it."""
         return self._att[k] if 0 <= k < len(self._att) else None
 
-    def where(self, req_id: str) -> tuple[int, int] | None:
-        """``(attachment, row)`` of the tree attached to ``req_id`` and not yet verified, or None."""
-        return self._where.get(req_id)
+    @property
+    def pending(self) -> "MappingProxyType[str, tuple[int, int]]":
+        """Request id -> ``(attachment, row)`` of its tree attached and not yet verified (read-only)."""
+        return MappingProxyType(self._where)
 
     def pending_tree(self, req_id: str, n: int):
         """The first ``n`` local parents (a device view) of the tree attached to ``req_id`` and

@@ -29,7 +29,7 @@ class FAStep:
     ctx: Any  # int32 [B]: context lengths of the tree requests (0 elsewhere: no context pass)
     scratch: Any  # the context pass's output [T, H, D]
     dims: Any  # tree_attention_dims: the merge's checked dimensions
-    kshape: tuple  # the KV cache's shape and stride when dims were checked
+    kshape: tuple  # the KV cache's shape (torch.Size) and stride when dims were checked
     kstride: tuple
     B: int  # requests (the metadata's, padded, on the graph path)
     anc: Any  # int32 [B, W, NW]: ancestor bit rows
@@ -130,10 +130,10 @@ class TreeAttention:
             if graph and self.side_stream is not None and B <= STREAM_MAX_REQS:  # the tree pass's output, lse
                 two = (torch.empty(q.shape, dtype=torch.float32, device=q.device),
                        torch.empty(H, T, dtype=torch.float32, device=q.device))
-            st = self.fa_step = FAStep(md, ctx, torch.empty_like(q), dims, tuple(key_cache.shape), key_cache.stride(),
+            st = self.fa_step = FAStep(md, ctx, torch.empty_like(q), dims, key_cache.shape, key_cache.stride(),
                                        B, anc, req, two)
         ctx, scratch, dims, B, anc, req, two = st.ctx, st.scratch, st.dims, st.B, st.anc, st.req, st.two
-        same = tuple(key_cache.shape) == st.kshape and key_cache.stride() == st.kstride  # the checked layout
+        same = key_cache.shape == st.kshape and key_cache.stride() == st.kstride  # the checked layout
         args = (q, key_cache, value_cache, md.block_table, qsl, ctx, anc, impl.scale)
         if two is not None:  # graph path: the tree pass (it reads no context pass) on a second stream
             self.side_stream.wait_stream(torch.cuda.current_stream())

@@ -140,11 +140,11 @@ class TreePlan:
         ids, att, k, anc, depth = exp
         W = depth.shape[1]
         n = W - 1
-        channel = self.hook
-        if B != len(ids) or total_tokens != B * W or channel.attachment(k) is not att:
+        if B != len(ids) or total_tokens != B * W or self.hook.attachment(k) is not att:
             return False
+        where = self.hook.pending
         for i, rid in enumerate(req_ids):
-            if rid != ids[i] or channel.where(rid) != (k, i) or int(nd[i]) != n or int(num_scheduled_tokens[i]) != W:
+            if rid != ids[i] or where.get(rid) != (k, i) or int(nd[i]) != n or int(num_scheduled_tokens[i]) != W:
                 return False
         graph = self.graph_bufs is not None and self.graph_bufs[2] == W
         (self.node_rows, self.node_root, self.node_index, self.root_rows, self.root_ext, self.tree_rows, on,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .contract import ENV_ENABLE, TREE_STEP_ABI, TREE_STEP_ATTR, mark
+from .contract import ENV_ENABLE, TREE_STEP_ABI, TREE_STEP_ATTR, abi_mismatch, mark
 
 # The second stream pays where FA3's context pass leaves the GPU idle: measured on the H200 (Qwen3-8B
 # attention shape, ctx 1K, in-graph): B = 1 saves 3-4.5 µs per layer, B = 8 is within +-1 µs, B = 32
@@ -50,10 +50,7 @@ def not_ready(why: str) -> DDTreeNotReady:
 
 def check_abi(tree_step_abi: int) -> None:
     if tree_step_abi != TREE_STEP_ABI:
-        raise TreeStepABIError(
-            f"ddtree-patch: this vLLM's ddtree-tree-step call sites speak ABI {tree_step_abi}, the "
-            f"installed ddtree_patcher speaks ABI {TREE_STEP_ABI}: re-apply with the installed tool "
-            "(`ddtree-patch revert && ddtree-patch apply`, then restart vLLM)")
+        raise TreeStepABIError(abi_mismatch("ddtree-tree-step", tree_step_abi, TREE_STEP_ABI))
 
 
 def gpu_platform() -> bool:
