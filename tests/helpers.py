@@ -85,6 +85,21 @@ def paged_batch(nsched: list[int], ctx: list[int], nb: int, bs: int, g):
     return torch.tensor(seq, dtype=torch.int32), bt, qsl
 
 
+def bare_tree_step(**attrs):
+    """A ``TargetTreeStep`` on CPU without a runner (``__new__`` + ``_init_state``: no layers bound,
+    no graph buffers), ``attrs`` set on it: what the tree step's unit tests drive directly."""
+    import torch
+
+    from ddtree_patcher.runtime.tree_step import TargetTreeStep
+
+    st = TargetTreeStep.__new__(TargetTreeStep)
+    st._init_state()
+    st.device = torch.device("cpu")
+    for k, v in attrs.items():
+        setattr(st, k, v)
+    return st
+
+
 def set_plan(step, B: int, T: int, num_scheduled_tokens, trees, positions=None) -> None:
     """A tree step's plan from ``trees`` [(batch row, n nodes, local parents [n])] (rows in batch
     order, ``num_scheduled_tokens`` per row), through the runtime's own

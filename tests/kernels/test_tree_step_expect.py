@@ -16,6 +16,7 @@ import torch
 from ddtree_patcher.kernels import ancestor_rows
 from ddtree_patcher.runtime import hook
 from ddtree_patcher.runtime import tree_step as TS
+from helpers import bare_tree_step
 
 FIELDS = ("node_rows", "node_root", "node_index", "root_rows", "root_ext", "tree_rows", "ancestor_mask", "req_mask")
 SCALARS = ("all_tree", "graph_step", "graph_steps", "B", "T", "W", "active", "tree_steps", "tree_requests")
@@ -34,9 +35,7 @@ def make_step(ids, n, graph_q=None, look_ahead=True):
     runner = types.SimpleNamespace(device="cpu", speculative_config=types.SimpleNamespace(num_speculative_tokens=n),
                                    max_num_reqs=8, requests={r: types.SimpleNamespace(sampling_params=_params())
                                                              for r in ids})
-    st = TS.TargetTreeStep.__new__(TS.TargetTreeStep)
-    st._init_state()
-    st.device = torch.device("cpu")
+    st = bare_tree_step()
     st.hook = hook.TreeStep(runner, "V1")
     st.graph_bufs = None
     if graph_q:

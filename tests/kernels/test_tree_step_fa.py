@@ -24,8 +24,7 @@ from ddtree_patcher.kernels.tree_step_reference import (
     context_attention_ref,
     tree_attention_ref,
 )
-from ddtree_patcher.runtime import tree_step as TS
-from helpers import paged_batch, set_plan
+from helpers import bare_tree_step, paged_batch, set_plan
 
 NB, BS, HKV, HQ, D = 24, 4, 2, 4, 16
 SCALE = D ** -0.5
@@ -55,10 +54,7 @@ def step(nsched, trees, ctx, seed):
     g = torch.Generator().manual_seed(seed)
     B, T = len(nsched), sum(nsched)
     calls = []
-    st = TS.TargetTreeStep.__new__(TS.TargetTreeStep)
-    st._init_state()
-    st.device = torch.device("cpu")
-    st.fa_varlen = fa_emulation(calls)
+    st = bare_tree_step(fa_varlen=fa_emulation(calls))
     set_plan(st, B, T, nsched, trees, None)
     seq_lens, bt, qsl = paged_batch(nsched, ctx, NB, BS, g)
     md = types.SimpleNamespace(num_actual_tokens=T, query_start_loc=qsl, seq_lens=seq_lens,
@@ -145,10 +141,7 @@ def graph_step(seed, rows=4):
     from ddtree_patcher.kernels import ancestor_rows
 
     calls = []
-    st = TS.TargetTreeStep.__new__(TS.TargetTreeStep)
-    st._init_state()
-    st.device = torch.device("cpu")
-    st.fa_varlen = fa_emulation(calls)
+    st = bare_tree_step(fa_varlen=fa_emulation(calls))
     chain = torch.arange(-1, Q - 1, dtype=torch.int64).expand(rows, Q).contiguous()
     st.graph_bufs = (ancestor_rows(chain)[0], torch.ones(rows, dtype=torch.bool), Q)
     return st, calls, torch.Generator().manual_seed(seed)

@@ -13,6 +13,7 @@ import torch
 
 from ddtree_patcher.runtime import hook
 from ddtree_patcher.runtime import tree_step as TS
+from helpers import bare_tree_step
 
 
 def v2_step():
@@ -21,10 +22,7 @@ def v2_step():
     # request "a": 4 nodes (0-based parents of nodes 1..4: root, root, node 1, node 2); "c": 3 nodes
     h._att = [torch.tensor([[0, 0, 1, 2], [0, 1, 1, 0]], dtype=torch.int32)]
     h._where = {"a": (0, 0), "c": (0, 1)}
-    st = TS.TargetTreeStep.__new__(TS.TargetTreeStep)
-    st._init_state()
-    st.device, st.v2, st.graph_bufs, st.hook = torch.device("cpu"), True, None, h
-    return st
+    return bare_tree_step(v2=True, graph_bufs=None, hook=h)
 
 
 def test_prepare_v2_compaction_slots_and_drafter_rows():

@@ -27,7 +27,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT, PATCHED = sys.argv[1], sys.argv[2]
 sys.path.insert(0, ROOT)
-sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # tests/: helpers
+sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # tests/: helpers
 
 import torch  # noqa: E402
 
@@ -35,7 +35,7 @@ from ddtree_patcher.kernels.tree_step_reference import (  # noqa: E402
     causal_attention_ref, context_attention_ref, tree_attention_ref,
 )
 from ddtree_patcher.runtime import tree_step as TS  # noqa: E402
-from helpers import paged_batch, set_plan  # noqa: E402
+from helpers import bare_tree_step, paged_batch, set_plan  # noqa: E402
 
 NAME = "vllm.v1.attention.backends.flash_attn"
 spec = importlib.util.spec_from_file_location(NAME, PATCHED)
@@ -84,10 +84,7 @@ def make_impl():
 def run(nsched, trees, ctx, seed, active=True):
     g = torch.Generator().manual_seed(seed)
     B, T = len(nsched), sum(nsched)
-    st = TS.TargetTreeStep.__new__(TS.TargetTreeStep)
-    st._init_state()
-    st.device = torch.device("cpu")
-    st.fa_varlen = getattr(FA, "flash_attn_varlen_func")  # what bind takes (TargetTreeStep._fa_views)
+    st = bare_tree_step(fa_varlen=getattr(FA, "flash_attn_varlen_func"))  # what bind takes (TargetTreeStep._fa_views)
     set_plan(st, B, T, nsched, [(r, n, torch.tensor(p)) for r, n, p in trees], None)
     st.active = active
     seq_lens, bt, qsl = paged_batch(nsched, ctx, NB, BS, g)

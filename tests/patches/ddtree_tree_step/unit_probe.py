@@ -38,8 +38,8 @@ from vllm import _custom_ops as ops  # noqa: E402
 from ddtree_patcher.kernels import compact_kv_ref  # noqa: E402
 from ddtree_patcher.runtime import tree_step as TS  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # tests/: helpers
-from helpers import set_plan  # noqa: E402
+sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # tests/: helpers
+from helpers import bare_tree_step, set_plan  # noqa: E402
 
 RESULTS = {}
 Hq, Hkv, D = 4, 2, 64
@@ -138,9 +138,7 @@ class Case:
                                        slot_mapping=self.slot_mapping, scheduler_metadata=sm, causal=True)
 
     def step(self):
-        st = TS.TargetTreeStep.__new__(TS.TargetTreeStep)
-        st._init_state()
-        st.device = torch.device("cpu")
+        st = bare_tree_step()
         st.impl_views[id(self.impl)] = TS.cpu_kv_views(self.impl, self.kv_cache, self.isa)
         if self.isa in ("vec", "vec16"):  # the kernels' static description == the measured layout
             from ddtree_patcher.kernels import kv_views
