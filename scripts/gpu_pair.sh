@@ -4,7 +4,7 @@
 # patched vLLM bundle (benchmarks/pair/measure.py: one process per engine).
 #
 #   train    needs only the device's torch/tokenizers/safetensors (no bundle): writes the pair to
-#            $REPO/.pair (git-ignored: it stays on the warm machine for the next call).
+#            $PAIR (default /tmp/pair: it stays on the warm machine for the next call).
 #            TRAIN_MINUTES (default 6.5: the script's own wall cap), SEED (0), TRAIN_ARGS (more flags).
 #   measure  the bundle staged beforehand (gpu_tree_e2e.sh stage1 for every part: /tmp/vb; or the
 #            parts carried in .bundle/0*), unpacked to /tmp/site once, the whole patch series applied
@@ -15,6 +15,9 @@
 #            TEMP1_BATCHES (32), CG_MODE (FULL_DECODE_ONLY; EAGER=1: no CUDA graphs), COMPILE (0: no
 #            torch.compile, CUDA graphs still captured; unset it for vLLM's default compilation),
 #            GPU_MEM (0.3).
+#   train-bg the train stage in its own process session (setsid), so it runs on while later calls carry the
+#            bundle's parts: returns at once; its log /tmp/pair_train.log, /tmp/pair_train.rc when it ends
+#            (its outputs are copied into the measure call's $OUT). PAIR is /tmp/pair unless set.
 #   all      train then measure in one call (TRAIN_MINUTES + MEASURE_BUDGET must fit the call).
 # Outputs under $OUT (flat, at most 8 files): train_report.json, train.log, pair_record.json (the
 # docs/runs record), pair_full.json (with tokens), pair_logs.tgz (one log per engine), apply.log,
@@ -27,10 +30,15 @@
 #   run(carry=[".bundle/03"],         command="bash scripts/gpu_tree_e2e.sh stage1")
 #   run(command="bash scripts/gpu_pair.sh train")
 #   run(command="bash scripts/gpu_pair.sh measure")      # again if engines were left (SKIP lines)
+# or, training while the parts travel (the 2026-12-06 session: .whl goes with the last part, which is small):
+#   run(carry=[".bundle/01"], command="bash scripts/gpu_tree_e2e.sh stage1; bash scripts/gpu_pair.sh train-bg")
+#   run(carry=[".bundle/02"], command="bash scripts/gpu_tree_e2e.sh stage1")
+#   run(carry=[".bundle/03", ".whl"], command="... bash scripts/gpu_tree_e2e.sh stage2 (or stage1)")
+#   run(command="bash scripts/gpu_pair.sh measure")      # waits for the training's end
 set -u
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 O=${OUT:-/tmp/out}; mkdir -p "$O"
-PAIR=${PAIR:-$REPO/.pair}
+PAIR=${PAIR:-/tmp/pair}
 L=${LOGS:-/tmp/pair_logs}; mkdir -p "$L"
 T0=$(date +%s)
 ph() { echo "=== PHASE $1 at +$(( $(date +%s) - T0 ))s"; }
@@ -62,6 +70,11 @@ install_site() {  # the bundle's parts from /tmp/vb (staged by stage1 calls) or 
 
 measure() {
   local tm=$(date +%s)
+  if [ -f /tmp/pair_train.log ]; then  # a train-bg run: wait for its end (at most TRAIN_WAIT_S, default 420 s; MEASURE_BUDGET counts the wait)
+    local w=0; while [ ! -f /tmp/pair_train.rc ] && [ $w -lt "${TRAIN_WAIT_S:-420}" ]; do sleep 5; w=$((w + 5)); done
+    echo "train-bg: rc $(cat /tmp/pair_train.rc 2>/dev/null || echo 'still running') after waiting ${w}s"
+    cp -f /tmp/pair_train.log "$O/train.log"; cp -f "$PAIR/train_report.json" "$O/" 2>/dev/null
+  fi
   [ -f "$PAIR/dflash/model.safetensors" ] || { echo "no trained pair in $PAIR: run the train stage first"; exit 7; }
   ph install
   install_site
@@ -76,12 +89,17 @@ measure() {
     --logs "$L" --engines "${ENGINES:-nospec,chain,dd15,dd31,dd63}" --batches "${BATCHES:-1,8,32}" \
     --temp1-batches "${TEMP1_BATCHES-32}" --n-prompts "${N_PROMPTS:-64}" --n-b1 "${N_B1:-16}" \
     --max-tokens "${MAX_TOKENS:-128}" --cg-mode "${CG_MODE:-FULL_DECODE_ONLY}" --budget-s "$left" \
-    $([ "${EAGER:-0}" = 1 ] && echo --eager) $([ "${RERUN:-0}" = 1 ] && echo --rerun)
+    ${COMMIT:+--commit "$COMMIT"} $([ "${EAGER:-0}" = 1 ] && echo --eager) $([ "${RERUN:-0}" = 1 ] && echo --rerun)
   tar czf "$O/pair_logs.tgz" -C "$L" . 2>/dev/null
 }
 
 case "${1:-}" in
 train) train ;;
+train-bg)
+  rm -f /tmp/pair_train.rc
+  PAIR=$PAIR OUT=/tmp/pair_train_out setsid nohup bash -c "bash '$REPO/scripts/gpu_pair.sh' train > /tmp/pair_train.log 2>&1; echo \$? > /tmp/pair_train.rc" \
+    > /dev/null 2>&1 < /dev/null &
+  sleep 20; tail -5 /tmp/pair_train.log; echo "PAIR-TRAIN started in the background (PAIR=$PAIR)" ;;
 measure) measure ;;
 all) train; measure ;;
 *) echo "usage: gpu_pair.sh train|measure|all" >&2; exit 2 ;;

@@ -91,7 +91,23 @@ ENGINES=("nospec        SPEC=0 EAGER=1 LOGPROBS=2"
          "dd-mix-v2-cg0    $V2 SPEC=1 EAGER=0 CG_MODE=NONE DIAG_ALLOW_PW034=1 DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1 $MIX"
          "dd-mix-v2-pw-bnc $V2 SPEC=1 EAGER=0 CG_MODE=PIECEWISE DIAG_ALLOW_PW034=1 VLLM_USE_BREAKABLE_CUDAGRAPH=1 LLM_KW={\"compilation_config\":{\"mode\":0}} DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1 $MIX"
          "dd-mix-v2-pw-brk $V2 SPEC=1 EAGER=0 CG_MODE=PIECEWISE DIAG_ALLOW_PW034=1 VLLM_USE_BREAKABLE_CUDAGRAPH=1 DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1 $MIX"
-         "dd-mix-v2-pw-ln0 $V2 SPEC=1 EAGER=0 CG_MODE=PIECEWISE DIAG_ALLOW_PW034=1 VLLM_USE_LAYERNAME=0 DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1 $MIX")
+         "dd-mix-v2-pw-ln0 $V2 SPEC=1 EAGER=0 CG_MODE=PIECEWISE DIAG_ALLOW_PW034=1 VLLM_USE_LAYERNAME=0 DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1 $MIX"
+         # the allowed mode of 0.34.0 (no torch.compile, FULL decode graphs) on the basic and sampled scenarios,
+         # and vLLM's own DFlash chain compiled under PIECEWISE graphs (is the compiled chain identical?)
+         "dd-v2-fdonc      $V2 SPEC=1 EAGER=0 CG_MODE=FULL_DECODE_ONLY LLM_KW={\"compilation_config\":{\"mode\":0}} DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1"
+         "s-dd-v2-fdonc    $V2 SPEC=1 EAGER=0 CG_MODE=FULL_DECODE_ONLY LLM_KW={\"compilation_config\":{\"mode\":0}} SEED_BASE=1000000 DDTREE_PATCH_ENABLE=1 $SAMPLED"
+         "chain-mix-v2-pw  $V2 SPEC=1 EAGER=0 CG_MODE=PIECEWISE $MIX"
+         # the same pair in bfloat16 (its own no-spec engine): the allowed mode's mixed proof in the other dtype
+         "nospec-mix-v2-bf   $V2 SPEC=0 EAGER=1 LOGPROBS=2 DTYPE=bfloat16 ROOT=@ROOT_BF@ $MIX"
+         "dd-mix-v2-fdonc-bf $V2 SPEC=1 EAGER=0 CG_MODE=FULL_DECODE_ONLY LLM_KW={\"compilation_config\":{\"mode\":0}} DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1 DTYPE=bfloat16 ROOT=@ROOT_BF@ $MIX"
+         # DIAG=1 (diag_fa.py): every FA layer call of a tree step checked against the dense references
+         # (host syncs: diagnosis only): eager, compiled (no graphs / FULL decode / default FULL_AND_PIECEWISE),
+         # PIECEWISE without torch.compile
+         "dg-mix-v2        $V2 SPEC=1 EAGER=1 DIAG=1 DDTREE_PATCH_ENABLE=1 $MIX"
+         "dg-mix-v2-cg0    $V2 SPEC=1 EAGER=0 CG_MODE=NONE DIAG=1 DIAG_ALLOW_PW034=1 DDTREE_PATCH_ENABLE=1 $MIX"
+         "dg-mix-v2-fdo    $V2 SPEC=1 EAGER=0 CG_MODE=FULL_DECODE_ONLY DIAG=1 DIAG_ALLOW_PW034=1 DDTREE_PATCH_ENABLE=1 $MIX"
+         "dg-mix-v2-fg     $V2 SPEC=1 EAGER=0 CG_MODE=FULL_AND_PIECEWISE DIAG=1 DIAG_ALLOW_PW034=1 DDTREE_PATCH_ENABLE=1 $MIX"
+         "dg-mix-v2-pw-bnc $V2 SPEC=1 EAGER=0 CG_MODE=PIECEWISE DIAG=1 DIAG_ALLOW_PW034=1 VLLM_USE_BREAKABLE_CUDAGRAPH=1 LLM_KW={\"compilation_config\":{\"mode\":0}} DDTREE_PATCH_ENABLE=1 $MIX")
 
 . "$REPO/scripts/_gpu_bundle.sh"
 
@@ -108,19 +124,42 @@ stage2)
   ph apply
   bundle_apply_series
   grep -E "^(PATCH|[a-z-]+ +(applied|upstream|not-applicable|pending))" "$O/apply.log" 2>/dev/null | cut -c1-60
-  if [ ! -d "$ROOT/target" ]; then
-    ph ckpt
-    python3 "$REPO/tests/patches/engine_tools/make_tiny_ckpts.py" "$ROOT" "$DTYPE" > /dev/null \
-      && python3 "$REPO/tests/patches/ddtree_tree_step/branchy_ckpts.py" "$ROOT" ${SIBLING:-} || exit 6
-  fi
-  for e in "${ENGINES[@]}"; do
-    set -- $e; tag=$1; shift
-    engine_pending "$tag" "${BUDGET:-420}" 40 || continue
-    ph "$tag (limit ${left}s)"
-    ( unset DDTREE_PATCH_ENABLE CONTROL CG_MODE LOGPROBS SYNC_DEBUG LLM_KW DIAG_ALLOW_PW034 VLLM_USE_BREAKABLE_CUDAGRAPH VLLM_USE_LAYERNAME; export VLLM_USE_V2_MODEL_RUNNER=0 TAG=$tag "$@"
-      timeout "$left" python3 "$REPO/tests/patches/ddtree_tree_step/run_tree_engine.py" > "$L/$tag.log" 2>&1 )
-    echo "rc=$?"; grep -E "ddtree-patch: (tree|DDTree)|Error|error" "$L/$tag.log" | cut -c1-300 | head -6
+  for dt in "$DTYPE" bfloat16; do  # the *-bf engines run the same pair in bfloat16 (ROOT_BF)
+    root=/tmp/tiny-branchy-$dt${SIBLING:+-s$SIBLING}
+    [ -d "$root/target" ] && continue
+    ph "ckpt $dt"
+    python3 "$REPO/tests/patches/engine_tools/make_tiny_ckpts.py" "$root" "$dt" > /dev/null \
+      && python3 "$REPO/tests/patches/ddtree_tree_step/branchy_ckpts.py" "$root" ${SIBLING:-} || exit 6
   done
+  ROOT_BF=/tmp/tiny-branchy-bfloat16${SIBLING:+-s$SIBLING}
+  run_engine() {  # TAG ENV...: one engine process, its log in $L/TAG.log
+    local tag=$1; shift
+    set -- "${@//@ROOT_BF@/$ROOT_BF}"
+    ( unset DDTREE_PATCH_ENABLE CONTROL CG_MODE LOGPROBS SYNC_DEBUG LLM_KW DIAG DIAG_ALLOW_PW034 VLLM_USE_BREAKABLE_CUDAGRAPH VLLM_USE_LAYERNAME; export VLLM_USE_V2_MODEL_RUNNER=0 TAG=$tag "$@"
+      timeout "$left" python3 "$REPO/tests/patches/ddtree_tree_step/run_tree_engine.py" > "$L/$tag.log" 2>&1 )
+    echo "$tag rc=$?"; grep -E "ddtree-patch: (tree|DDTree)|Error|error" "$L/$tag.log" | cut -c1-300 | head -6
+  }
+  if [ "${PAR:-0}" = 1 ]; then
+    # PAR=1: the selected engines at once, one GPU (tiny models): GPU_MEM each (PAR_GPU_MEM, default 0.06), a
+    # torch.compile cache each, and no engine exits (freeing GPU memory) before all are past their start
+    # (run_tree_engine.py HOLD_DIR: vLLM's start-up asserts that free memory does not grow while it profiles)
+    sel=(); for e in "${ENGINES[@]}"; do set -- $e; engine_pending "$1" "${BUDGET:-420}" 60 && sel+=("$e"); done
+    hold=$(mktemp -d); ph "parallel: ${#sel[@]} engines (limit ${left:-0}s)"
+    for e in "${sel[@]}"; do
+      set -- $e; tag=$1; shift
+      run_engine "$tag" "$@" GPU_MEM=${PAR_GPU_MEM:-0.06} HOLD_DIR=$hold HOLD_N=${#sel[@]} \
+        VLLM_CACHE_ROOT=/tmp/vcache-$tag TORCHINDUCTOR_COMPILE_THREADS=2 &
+      sleep 1
+    done
+    wait; ph "parallel done"
+  else
+    for e in "${ENGINES[@]}"; do
+      set -- $e; tag=$1; shift
+      engine_pending "$tag" "${BUDGET:-420}" 40 || continue
+      ph "$tag (limit ${left}s)"
+      run_engine "$tag" "$@"
+    done
+  fi
   tar czf "$O/tree_e2e_logs.tgz" -C "$L" . 2>/dev/null
   python3 - "$L" "$O" "$REPO" <<'PY'
 import glob, json, sys
@@ -138,7 +177,7 @@ for f in sorted(glob.glob(logs + "/*.log")):
 # engine against the no-spec engine of its scenario and graph mode
 NOSPEC_REFS = {"nospec": "nospec-pw", "nospec-pw": "nospec", "nospec-mix": "nospec-mix", "nospec-fg": "nospec-pw",
                "nospec-mix-fg": "nospec-mix", "nospec-v2": "nospec", "nospec-v2-fg": "nospec-v2",
-               "nospec-mix-v2-fg": "nospec-mix-fg"}
+               "nospec-mix-v2-fg": "nospec-mix-fg", "nospec-mix-v2-pw": "nospec-mix-v2"}
 
 def ref_of(tag):
     """The no-spec engine of the tag's scenario, runner and graph mode (eager: none)."""
@@ -148,7 +187,11 @@ def ref_of(tag):
     mode = "-fg" if "fg" in parts else "-pw" if "pw" in parts else ""
     if {"fdo", "cg0"} & set(parts):  # the 0.34.0 mixed engines: against the PIECEWISE no-spec engine
         mode = "-pw"
-    return "nospec" + ("-mix" if "mix" in parts else "") + ("-v2" if "v2" in parts else "") + mode
+    ref = "nospec" + ("-mix" if "mix" in parts else "") + ("-v2" if "v2" in parts else "") + mode \
+        + ("-bf" if "bf" in parts else "")
+    if ref not in res and ref.endswith("-fg"):  # compiled either way: the PIECEWISE no-spec engine
+        ref = ref[:-3] + "-pw"
+    return ref
 
 def compare(r, ref):
     """Per request: None (identical) or (position, margin of ref's top-2 there, picked ref's runner-up)."""
@@ -182,6 +225,13 @@ for tag, r in res.items():
           f"{ts.get('accepted_depths') or ''} {[c for c in cmp if c] if cmp else ''}")
     if r.get("error"):
         print("   error:", r["error"][:600])
+    if isinstance(r.get("diag"), dict):  # DIAG=1 engines: the FA layer checks per step kind
+        d = r["diag"]
+        print(f"   diag: {d['checked_calls']} layer calls; " + "; ".join(
+            f"{k}: {v['calls']} calls, max err tree {v['tree']} other {v['other']} ctx {v['ctx']} kv {v['kv']} "
+            f"(|ref| {v['ref_max']})" for k, v in d["by_kind"].items()) + (f"; errors {d['errors']}" if d["errors"] else ""))
+        for b in d["first_bad"][:4]:
+            print("   diag bad:", json.dumps(b)[:400])
     if not r.get("ok"):
         bad.append(tag); continue
     if tag.startswith("dd-"):  # trees walked, moved, and every divergence a near-tie resolved to the runner-up
@@ -196,7 +246,8 @@ for tag, r in res.items():
             bad.append(tag)
         elif r.get("sync") and r["sync"]["ours"]:
             bad.append(tag + " (host syncs in ddtree_patcher: " + str(r["sync"]["samples_ours"]) + ")")
-for ref_tag, dd_tag in (("s-nospec", "s-dd"), ("s-nospec-v2", "s-dd-v2")):  # sampled: same distribution
+for ref_tag, dd_tag in (("s-nospec", "s-dd"), ("s-nospec-v2", "s-dd-v2"),
+                        ("s-nospec-v2", "s-dd-v2-fdonc")):  # sampled: same distribution
     ref, r = res.get(ref_tag), res.get(dd_tag)
     if not (ref and r and ref.get("ok") and r.get("ok")):
         continue

@@ -20,7 +20,9 @@ ddtree_patcher's runtime, which decides per call, takes its torch reference tree
 walk (``kernels/tree_reference.py``, ``kernels/reference.py``, proven equal to the Triton kernels by tests/kernels) instead of
 the interpreted Triton kernels: ~0.45 s per request and step for the builder alone under the
 interpreter, the cost that makes large CPU runs impractical); DIAG_ALLOW_PW034=1 (diagnosis: lifts the runtime's refusal of torch.compile and PIECEWISE graphs on vLLM 0.34.0's FA forward);
-CONTROL=no-compaction (a negative control: the tree step runs but leaves
+DIAG=1 (diagnosis: every FlashAttention layer call of a tree step checked against the dense references, diag_fa.py;
+host syncs, so never in a proof run); HOLD_DIR / HOLD_N (engines started together on one GPU: this one exits only once
+HOLD_N engines are past their start, so none frees GPU memory while another profiles); CONTROL=no-compaction (a negative control: the tree step runs but leaves
 the KV where the tree put it; the engine runs in-process, so the class is patched here). The result carries the generated tokens and, for a DDTree run, the
 counters of the tree walk (``hook.live_steps()``), of the tree-shaped target step
 (``runtime.tree_step``) and of the DDTree drafter, and vLLM's own Prometheus counters
@@ -31,6 +33,25 @@ import os
 import sys
 import time
 import traceback
+
+
+def _hold_mark(what: str) -> None:
+    """HOLD_DIR (engines started together on one GPU, gpu_tree_e2e.sh PAR=1): this engine is past its start
+    (or failed); vLLM's start-up asserts that no other process frees GPU memory while it profiles."""
+    d = os.environ.get("HOLD_DIR")
+    if d:
+        open(os.path.join(d, f"{os.environ.get('TAG', os.getpid())}.{what}"), "w").close()
+
+
+def _hold_wait() -> None:
+    """HOLD_DIR: exit (freeing this engine's GPU memory) only once every engine of the wave (HOLD_N) is
+    past its start, or after HOLD_MAX_S (default 400) seconds."""
+    d = os.environ.get("HOLD_DIR")
+    if not d:
+        return
+    n, t_end = int(os.environ.get("HOLD_N", "1")), time.time() + float(os.environ.get("HOLD_MAX_S", "400"))
+    while time.time() < t_end and sum(f.endswith(".started") for f in os.listdir(d)) < n:
+        time.sleep(1)
 
 
 def main() -> None:
@@ -72,6 +93,11 @@ def main() -> None:
 
             _ts.TargetTreeStep.after_walk = _no_moves
             res["control"] = "no-compaction"
+        if os.environ.get("DIAG") == "1":  # diagnosis (in-process engine): every tree step's FA layer checked
+            import diag_fa  # against the dense references (host syncs: never in a proof run)
+
+            diag_fa.install()
+            res["diag"] = True
         order = {"rows": 0, "reordered": 0}
         if os.environ.get("ORDER_STATS") == "1":  # host-side, CPU runs: trees whose node order the spine-first rule changed
             from ddtree_patcher.kernels import build_tree_ref
@@ -119,6 +145,7 @@ def main() -> None:
         t1 = time.perf_counter()
         llm = LLM(**kw)
         res["engine_start_s"] = round(time.perf_counter() - t1, 1)
+        _hold_mark("started")
         # the model runner this engine built (in-process engine core): its class and bases (V1 or V2)
         found = llm  # LLM -> engine -> in-process engine core -> executor -> worker -> model_runner
         for name in ("llm_engine", "engine_core", "engine_core", "model_executor", "driver_worker", "worker",
@@ -197,11 +224,16 @@ def main() -> None:
                                "chain_rows": d.chain_rows} for d in drafters if d is not None]
         except ImportError:
             res["hook"] = "ddtree_patcher not importable"
+        if res.get("diag"):
+            import diag_fa
+
+            res["diag"] = diag_fa.summary()
         res["ok"] = True
     except BaseException as e:  # noqa: BLE001 - reported in RESULT
         res["ok"] = False
         res["error"] = f"at {step}: {type(e).__name__}: {str(e)[:1500]}"
         traceback.print_exc()
+        _hold_mark("started")
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1":  # stop the engine core process before os._exit
         try:
             llm.llm_engine.engine_core.shutdown()
@@ -210,6 +242,7 @@ def main() -> None:
     res["total_s"] = round(time.perf_counter() - t0, 1)
     print("RESULT " + json.dumps(res), flush=True)
     sys.stdout.flush()
+    _hold_wait()
     os._exit(0 if res["ok"] else 1)
 
 
