@@ -48,7 +48,19 @@ train() {
   ph train
   nvidia-smi -L
   python3 -c "import torch, tokenizers, safetensors; print('torch', torch.__version__, 'tokenizers', tokenizers.__version__)"
-  python3 "$REPO/benchmarks/pair/train.py" --out "$PAIR" --device cuda --minutes "${TRAIN_MINUTES:-6.5}" \
+  # HOLD=1 (train-bg): the process keeps its GPU memory after training (it touches /tmp/pair_train.done) until
+  # /tmp/pair_release exists (at most 900 s): engines starting beside it on the same GPU must not see free
+  # memory grow while vLLM profiles (it asserts so at start-up)
+  python3 -c "import os, runpy, sys, time
+sys.argv = sys.argv[1:]
+try:
+    runpy.run_path(sys.argv[0], run_name='__main__')
+finally:
+    if os.environ.get('HOLD') == '1':
+        open('/tmp/pair_train.done', 'w').close()
+        t = time.time()
+        while not os.path.exists('/tmp/pair_release') and time.time() - t < 900:
+            time.sleep(1)" "$REPO/benchmarks/pair/train.py" --out "$PAIR" --device cuda --minutes "${TRAIN_MINUTES:-6.5}" \
     --seed "${SEED:-0}" ${TRAIN_ARGS:-} 2>&1 | tee "$O/train.log"
   local rc=${PIPESTATUS[0]}
   cp -f "$PAIR/train_report.json" "$O/" 2>/dev/null
@@ -71,7 +83,10 @@ install_site() {  # the bundle's parts from /tmp/vb (staged by stage1 calls) or 
 measure() {
   local tm=$(date +%s)
   if [ -f /tmp/pair_train.log ]; then  # a train-bg run: wait for its end (at most TRAIN_WAIT_S, default 420 s; MEASURE_BUDGET counts the wait)
-    local w=0; while [ ! -f /tmp/pair_train.rc ] && [ $w -lt "${TRAIN_WAIT_S:-420}" ]; do sleep 5; w=$((w + 5)); done
+    local w=0; while [ ! -f /tmp/pair_train.done ] && [ ! -f /tmp/pair_train.rc ] && [ $w -lt "${TRAIN_WAIT_S:-420}" ]; do
+      sleep 5; w=$((w + 5)); done
+    touch /tmp/pair_release  # its process may exit now (GPU memory freed before the engines start)
+    while [ ! -f /tmp/pair_train.rc ] && [ $w -lt "$(( ${TRAIN_WAIT_S:-420} + 60 ))" ]; do sleep 1; w=$((w + 1)); done
     echo "train-bg: rc $(cat /tmp/pair_train.rc 2>/dev/null || echo 'still running') after waiting ${w}s"
     cp -f /tmp/pair_train.log "$O/train.log"; cp -f "$PAIR/train_report.json" "$O/" 2>/dev/null
   fi
@@ -96,8 +111,8 @@ measure() {
 case "${1:-}" in
 train) train ;;
 train-bg)
-  rm -f /tmp/pair_train.rc
-  PAIR=$PAIR OUT=/tmp/pair_train_out setsid nohup bash -c "bash '$REPO/scripts/gpu_pair.sh' train > /tmp/pair_train.log 2>&1; echo \$? > /tmp/pair_train.rc" \
+  rm -f /tmp/pair_train.rc /tmp/pair_train.done /tmp/pair_release
+  HOLD=1 PAIR=$PAIR OUT=/tmp/pair_train_out setsid nohup bash -c "bash '$REPO/scripts/gpu_pair.sh' train > /tmp/pair_train.log 2>&1; echo \$? > /tmp/pair_train.rc" \
     > /dev/null 2>&1 < /dev/null &
   sleep 20; tail -5 /tmp/pair_train.log; echo "PAIR-TRAIN started in the background (PAIR=$PAIR)" ;;
 measure) measure ;;

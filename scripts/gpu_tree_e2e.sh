@@ -140,14 +140,14 @@ stage2)
     echo "$tag rc=$?"; grep -E "ddtree-patch: (tree|DDTree)|Error|error" "$L/$tag.log" | cut -c1-300 | head -6
   }
   if [ "${PAR:-0}" = 1 ]; then
-    # PAR=1: the selected engines at once, one GPU (tiny models): GPU_MEM each (PAR_GPU_MEM, default 0.06), a
+    # PAR=1: the selected engines at once, one GPU (tiny models): GPU_MEM each (PAR_GPU_MEM, default 0.04), a
     # torch.compile cache each, and no engine exits (freeing GPU memory) before all are past their start
     # (run_tree_engine.py HOLD_DIR: vLLM's start-up asserts that free memory does not grow while it profiles)
     sel=(); for e in "${ENGINES[@]}"; do set -- $e; engine_pending "$1" "${BUDGET:-420}" 60 && sel+=("$e"); done
     hold=$(mktemp -d); ph "parallel: ${#sel[@]} engines (limit ${left:-0}s)"
     for e in "${sel[@]}"; do
       set -- $e; tag=$1; shift
-      run_engine "$tag" "$@" GPU_MEM=${PAR_GPU_MEM:-0.06} HOLD_DIR=$hold HOLD_N=${#sel[@]} \
+      run_engine "$tag" "$@" GPU_MEM=${PAR_GPU_MEM:-0.04} HOLD_DIR=$hold HOLD_N=${#sel[@]} \
         VLLM_CACHE_ROOT=/tmp/vcache-$tag TORCHINDUCTOR_COMPILE_THREADS=2 &
       sleep 1
     done
