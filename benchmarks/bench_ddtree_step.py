@@ -25,20 +25,20 @@ dd_attn        ``TargetTreeStep.fa_attention`` (FA3: in a tree step the layer's 
                recomputed), summed over the layers (inside ``attn``)
 prepare        ``GPUModelRunner._prepare_inputs``;  ``dd_prepare``: ``TargetTreeStep.prepare``
 sample         ``GPUModelRunner._sample`` (vLLM's rejection sampler, or the tree walk)
-dd_walk        ``TreeStep.sample_v1`` (the tree walk, including ``dd_compact``)
+dd_walk        ``VerifyStep.sample_v1`` (the tree walk, including ``dd_compact``)
 dd_compact     ``TargetTreeStep.after_walk`` (KV compaction of every layer)
 draft          ``GPUModelRunner.propose_draft_token_ids`` (the drafter: its forward,
                ``dd_build`` and ``dd_rows``)
 dd_build       ``DDTreeDrafter.build`` (``build_tree`` on the drafter's logits)
 dd_rows        ``TargetTreeStep.drafter_rows`` (the drafter's context rows along the
                accepted path)
-dd_attach      ``TreeStep.attach`` (the proposer hands the trees over; with it the tree step's
+dd_attach      ``VerifyStep.attach`` (the proposer hands the trees over; with it the tree step's
                look-ahead ``TargetTreeStep.expect``: the next step's bit rows and depths). V1:
                inside ``draft``; V2: after the speculator's propose
 =============  ==========================================================================
 
 Also per steady step: ``h_<piece>``, the host time (``perf_counter``) of the same call; the tree
-step's prepare pieces ``dd_pp`` (``TreeStep.pending_index``), ``dd_spp``
+step's prepare pieces ``dd_pp`` (``VerifyStep.pending_index``), ``dd_spp``
 (``TargetTreeStep.set_plan_parents``), ``dd_up`` (``hook.upload_many``), ``dd_anc``
 (``kernels.ancestor_rows``), inside ``dd_prepare``; ``gc_ms``, the time of Python's garbage
 collections in the step (``gc.callbacks``). The RESULT line also lists the live threads and torch's
@@ -48,7 +48,7 @@ V2 runner (``--runner V2``): step = ``execute_model`` entry to the next one, pre
 ``GPUModelRunner.prepare_inputs``, forward = ``ModelCudaGraphManager.run_fullgraph`` /
 ``run_pw_graph`` (eager V2 forwards are not timed), sample = ``GPUModelRunner.sample``, draft =
 ``DFlashSpeculator.propose``, dd_prepare = ``TargetTreeStep.prepare_v2``, dd_walk =
-``TreeStep.sample_v2``, dd_rows = ``TargetTreeStep.drafter_rows_v2``. V2 builds the tree inside
+``VerifyStep.sample_v2``, dd_rows = ``TargetTreeStep.drafter_rows_v2``. V2 builds the tree inside
 the drafter's FULL graph (``DDTreeDrafter.draft_v2``): no Python runs at replay, so ``dd_build`` is
 0 there and the builder's time is counted in ``drafter`` (docs/tree-builder.md times it alone).
 
@@ -316,18 +316,18 @@ def run_engine(a) -> dict:
             timer.wrap(tree_step.TargetTreeStep, "prepare", "dd_prepare")
             timer.wrap(tree_step.TargetTreeStep, "prepare_v2", "dd_prepare")
             timer.wrap(tree_step.TargetTreeStep, "drafter_rows_v2", "dd_rows")
-            timer.wrap(hook.TreeStep, "sample_v2", "dd_walk")
+            timer.wrap(hook.VerifyStep, "sample_v2", "dd_walk")
             timer.wrap(tree_step.TargetTreeStep, "attention", "dd_attn")  # CPU_ATTN's tree rows
             timer.wrap(tree_step.TargetTreeStep, "fa_attention", "dd_attn")  # FA3: the whole layer in a tree step
             timer.wrap(tree_step.TargetTreeStep, "after_walk", "dd_compact")
             timer.wrap(tree_step.TargetTreeStep, "drafter_rows", "dd_rows")
-            timer.wrap(hook.TreeStep, "sample_v1", "dd_walk")
+            timer.wrap(hook.VerifyStep, "sample_v1", "dd_walk")
             timer.wrap(ddtree.DDTreeDrafter, "build", "dd_build")
-            timer.wrap(hook.TreeStep, "attach", "dd_attach")
+            timer.wrap(hook.VerifyStep, "attach", "dd_attach")
             # the prepare's pieces (inside dd_prepare; not added to "ours" again)
             import ddtree_patcher.kernels as dk
 
-            timer.wrap(hook.TreeStep, "pending_index", "dd_pp")
+            timer.wrap(hook.VerifyStep, "pending_index", "dd_pp")
             timer.wrap(tree_step.TargetTreeStep, "set_plan_parents", "dd_spp")
             timer.wrap(hook, "upload_many", "dd_up")
             timer.wrap(dk, "ancestor_rows", "dd_anc")

@@ -8,7 +8,7 @@ the GPU drained before every call, so nothing waits on a full launch queue), med
 ``--iters`` calls, for B in ``--batch`` and budgets N in ``--budget``:
 
 =================  ===========================================================================
-``attach``         ``TreeStep.attach`` (the proposer hands the batch's trees to the channel)
+``attach``         ``VerifyStep.attach`` (the proposer hands the batch's trees to the channel)
 ``prepare``        ``TargetTreeStep._prepare`` (V1's ``prepare`` body: ``pending_index`` +
                    ``set_plan_parents``: ancestor rows, depth positions, one index upload)
 ``pending_index``  its first part alone
@@ -16,9 +16,9 @@ the GPU drained before every call, so nothing waits on a full launch queue), med
                    and depths, one launch; on V1 it runs behind the drafter's GPU work)
 ``prepare_ahead``  ``_prepare`` of the batch ``expect`` saw (``_prepare_expected``: host checks,
                    the positions; what V1 now runs where its GPU is idle)
-``route``          ``TreeStep.route`` + ``account`` (the walk's host routing)
-``tree_tensors``   ``TreeStep.tree_tensors(depths=False)`` (the V1 walk's index arrays)
-``verify``         ``TreeStep.verify`` (the tree walk kernel, greedy)
+``route``          ``VerifyStep.route`` + ``account`` (the walk's host routing)
+``tree_tensors``   ``VerifyStep.tree_tensors(depths=False)`` (the V1 walk's index arrays)
+``verify``         ``VerifyStep.verify`` (the tree walk kernel, greedy)
 ``upload_many``    ``hook.upload_many`` of the prepare's nine index arrays
 ``compact``        ``KVCompactor`` over 36 layers' K/V views with the device counters (the
                    compaction after the walk: its kernel launch and checks)
@@ -81,7 +81,7 @@ def random_parents(B, n, gen):
 
 
 class Case:
-    """One batch of B decode requests with N-node trees: the hook's TreeStep and a V1 tree step."""
+    """One batch of B decode requests with N-node trees: the hook's VerifyStep and a V1 tree step."""
 
     def __init__(self, dev, B, N, ctx=1024, seed=0):
         gen = np.random.default_rng(seed)
@@ -90,7 +90,7 @@ class Case:
         runner = types.SimpleNamespace(
             device=dev, speculative_config=types.SimpleNamespace(num_speculative_tokens=N), max_num_reqs=max(B, 8),
             requests={r: types.SimpleNamespace(sampling_params=_params()) for r in self.req_ids})
-        self.hk = hook.TreeStep(runner, "V1")
+        self.hk = hook.VerifyStep(runner, "V1")
         self.parents = torch.from_numpy(random_parents(B, N, gen)).to(dev)
         self.nd = [N] * B
         self.nsched = [N + 1] * B

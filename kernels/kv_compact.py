@@ -1,7 +1,7 @@
 """KV and drafter-input compaction after a DDTree walk (issue 13; design: docs/tree-step.md).
 
 After the walk, request r accepted ``a = num_accepted[r]`` nodes; the node accepted at depth d
-is local node ``j_d = accepted_rows[r, d] - accepted_rows[r, 0]`` (TreeStep's layout: column 0
+is local node ``j_d = accepted_rows[r, d] - accepted_rows[r, 0]`` (VerifyStep's layout: column 0
 is the root's row, -1 padded; any row numbering works, only differences are used). vLLM then
 assumes the accepted path is the first ``a + 1`` query rows of the request, so:
 

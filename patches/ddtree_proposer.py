@@ -28,7 +28,7 @@ Sites (each insert is a few marked lines; the anchor itself is kept unchanged):
   the FULL draft graph: the tree is built into fixed-address buffers).
 * V2 ``vllm/v1/worker/gpu/model_runner.py::GPUModelRunner.sample_tokens`` (0.24.0+), before
   ``self.req_states.draft_tokens[input_batch.idx_mapping] = draft_tokens``: per request the tree
-  (attached to the runner's TreeStep) or a chain. On 0.20.0-0.23.0 the V2 runner exists but
+  (attached to the runner's VerifyStep) or a chain. On 0.20.0-0.23.0 the V2 runner exists but
   cannot host DFlash: not applicable (the test of tree-walk-hook's V2 site).
 
 Not applicable before 0.20.0 (no DFlash). Nothing is upstream. vLLM 0.34.0 has no V1 runner (its files
@@ -122,7 +122,7 @@ if self.__dict__.get("ddtree_proposer") is not None:  {MARK} (DDTree: the tree i
 
 V2_TOKENS_CODE = f"""\
 _ddtree = self.speculator.__dict__.get("ddtree_proposer")  {MARK}
-if _ddtree is not None:  {MARK} (DDTree: per request the tree or a chain; trees to the TreeStep)
+if _ddtree is not None:  {MARK} (DDTree: per request the tree or a chain; trees to the VerifyStep)
     draft_tokens = _ddtree.tokens_v2(self, input_batch, draft_tokens)  {MARK}
 """
 

@@ -49,7 +49,7 @@ Sites (each insert is a few marked lines; the anchor itself is kept unchanged):
     hidden rows along the accepted path, positions linear again (``drafter_rows_v2``; the tree step
     binds itself to the runner's speculator).
 
-The KV compaction needs no site of its own: the tree walk (tree-walk-hook's ``TreeStep.keep``)
+The KV compaction needs no site of its own: the tree walk (tree-walk-hook's ``VerifyStep.keep``)
 calls it right after the walk, before the drafter (V1 and V2).
 
 Selected by code shape: the V1 runner functions (vLLM 0.24.0-0.33.0) and the CPU attention

@@ -10,9 +10,9 @@ to about one token. The rewrite wraps the runner's single ``self.rejection_sampl
   ``None`` and every later step costs one attribute lookup and one branch before vLLM's own
   chain sampler runs, untouched;
 * otherwise it imports ``ddtree_patcher.runtime.hook`` (lazily; a missing or incompatible module is a
-  clear error naming the fix) and binds a per-runner ``TreeStep`` with the call site's hook ABI
+  clear error naming the fix) and binds a per-runner ``VerifyStep`` with the call site's hook ABI
   (``hook_abi=N`` is written into the call site, so a mismatch is detected at call time);
-* each step the ``TreeStep`` returns vLLM's usual output when every request carries a tree and
+* each step the ``VerifyStep`` returns vLLM's usual output when every request carries a tree and
   all sampling parameters are tree-safe, else ``None`` and the chain sampler runs.
 
 Sites (one per runner; both classes are named ``GPUModelRunner``, so two files):

@@ -1,6 +1,6 @@
 """The runtime: what a *patched* vLLM process imports (never the offline engine).
 
-* ``hook``  tree-walk-hook: the per-runner ``TreeStep`` the sampling call sites call;
+* ``hook``  tree-walk-hook: the per-runner ``VerifyStep`` the sampling call sites call;
 * ``swa``   dflash-sliding-window: what the rewritten drafter layers call while being built;
 * ``guard`` the boot guard (``vllm.general_plugins`` entry point).
 

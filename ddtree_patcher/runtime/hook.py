@@ -26,7 +26,7 @@ step (:mod:`.parity_v1`, :mod:`.parity_v2` list the parameters and the reason na
 drafts for::
 
     from ddtree_patcher.runtime import hook
-    step = hook.tree_step(runner)        # the runner's TreeStep (None: DDTree not requested)
+    step = hook.verify_step(runner)        # the runner's VerifyStep (None: DDTree not requested)
     ok = step.tree_ok(req_ids)           # list[bool], host-side, cached per request, no sync
     # draft a tree for requests with ok[i], a chain (node j's parent is j - 1) for the others
     step.attach(rows, parents)           # rows: list of req ids (None = a row to skip, e.g. a
@@ -52,7 +52,7 @@ draft counts): chain-only batches return None (vLLM's sampler runs untouched); t
 run the walk (a request that is not tree-ok is never walked, with or without drafts); mixed
 batches run vLLM's rejection sampler on the whole batch first (its output
 for chain requests is exactly upstream's, same random draws) and then the walk, and take each
-request's row from the path that owns it. After a step, ``TreeStep`` holds persistent device
+request's row from the path that owns it. After a step, ``VerifyStep`` holds persistent device
 buffers (allocated for ``max_num_reqs`` and the widest step seen): ``accepted_rows``
 ``[max_num_reqs, K+1]`` (logits row of the root and of the node accepted at each depth, -1
 padded; for chain requests the node-order prefix), ``num_accepted`` ``[max_num_reqs]``,
@@ -60,8 +60,8 @@ padded; for chain requests the node-order prefix), ``num_accepted`` ``[max_num_r
 1..s of a spine-first tree: what DFlash's chain would have accepted on the same draft, exact for
 greedy requests; :mod:`.accounting`), ``tree_rows`` ``[max_num_reqs]`` bool (walked by the tree
 path); host ``num_reqs``, ``num_nodes``, ``engaged``. The KV / hidden-state compaction reads them.
-``TreeStep.accounting`` sums tree and spine accepted tokens on the device (no sync), logs a line
-every ``VLLM_LOG_STATS_INTERVAL`` seconds and answers :meth:`TreeStep.counters` outside a step.
+``VerifyStep.accounting`` sums tree and spine accepted tokens on the device (no sync), logs a line
+every ``VLLM_LOG_STATS_INTERVAL`` seconds and answers :meth:`VerifyStep.counters` outside a step.
 """
 
 from __future__ import annotations
@@ -69,50 +69,22 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from types import MappingProxyType
 from typing import Any, Sequence
 
 from .contract import HOOK_ABI  # the call sites' contract
+from .step_rows import upload_many
 from .switches import ENV_CHAIN, ENV_ENABLE, switch
+from .tree_channel import FALLBACK_REASONS, TreeChannel, TreeChannelError  # noqa: F401 - this module's public names
 
 RUNNERS = ("V1", "V2")
 
 logger = logging.getLogger("ddtree_patcher.runtime.hook")
-_LIVE: "weakref.WeakSet[TreeStep]" = weakref.WeakSet()
+_LIVE: "weakref.WeakSet[VerifyStep]" = weakref.WeakSet()
 
 
-def live_steps() -> list["TreeStep"]:
-    """Every TreeStep bound in this process (diagnostics and tests)."""
+def live_steps() -> list["VerifyStep"]:
+    """Every VerifyStep bound in this process (diagnostics and tests)."""
     return list(_LIVE)
-
-
-# Why a request (with draft tokens) is verified by vLLM's chain sampler; counted per request in
-# TreeStep.fallbacks. Request-level reasons come from the request's sampling parameters,
-# step-level ones from the runner's configuration or this step's inputs.
-FALLBACK_REASONS = {
-    "no-tree": "no tree attached (the drafter submitted a chain)",
-    "logprobs": "sample logprobs requested (per-node logprobs are not computed by the tree path)",
-    "penalties": "presence/frequency/repetition penalties (per-branch histories not implemented)",
-    "bad-words": "bad words (per-branch histories not implemented)",
-    "min-tokens": "min_tokens (V1: the rejection sampler's per-position rule is not reproduced)",
-    "thinking-budget": "thinking token budget (reads the branch's history)",
-    "grammar": "structured output (grammar bitmask rows are built along the chain)",
-    "custom-logits-processors": "custom logits processors are loaded (they may read the history)",
-    "draft-probs": "chain-as-tree with sampled drafts (draft probabilities): the chain rule is the exact one",
-    "synthetic": "synthetic rejection sampling mode",
-    "fly": "FLy (lossy) verification mode",
-    "watermark": "watermarking",
-    "adaptive-verification": "adaptive verification (compacted logits)",
-    "sampling-mask": "the runner returns sampling masks",
-    "trace-replay": "trace replay",
-    "layout": "unexpected logits layout",
-    "unsupported": "runner attributes this hook does not know (other vLLM shape)",
-    "unknown-request": "the runner holds no state for the request (not cached: asked again)",
-}
-
-
-class TreeChannelError(RuntimeError):
-    """An attached (possibly branching) tree would be verified as a chain, or a channel misuse."""
 
 
 class HookABIError(RuntimeError):
@@ -138,16 +110,16 @@ def check_abi(hook_abi: int) -> None:
             "ddtree-patch release that applied it")
 
 
-def bind(runner: Any, kind: str, *, hook_abi: int) -> "TreeStep":
+def bind(runner: Any, kind: str, *, hook_abi: int) -> "VerifyStep":
     """Called by the patched call site once per runner when DDTree is requested."""
     check_abi(hook_abi)
     requested()  # the call site's gate lets any value but "" and "0" through: refuse a bad one by name
     if kind not in RUNNERS:
         raise ValueError(f"ddtree-patch: unknown runner kind {kind!r}")
     step = runner.__dict__.get("ddtree_hook")
-    if isinstance(step, TreeStep):  # a drafter bound it first (tree_step)
+    if isinstance(step, VerifyStep):  # a drafter bound it first (tree_step)
         return step
-    step = TreeStep(runner, kind)
+    step = VerifyStep(runner, kind)
     runner.__dict__["ddtree_hook"] = step
     try:
         from importlib.metadata import version as _v
@@ -163,29 +135,14 @@ def bind(runner: Any, kind: str, *, hook_abi: int) -> "TreeStep":
     return step
 
 
-def tree_step(runner: Any) -> "TreeStep | None":
-    """The runner's TreeStep, creating it when DDTree is requested (a drafter calls this once,
+def verify_step(runner: Any) -> "VerifyStep | None":
+    """The runner's VerifyStep, creating it when DDTree is requested (a drafter calls this once,
     e.g. when it is built, before its first draft); None when DDTree is not requested."""
     step = runner.__dict__.get("ddtree_hook")
     if step is None and requested():
         v2 = type(runner).__module__.endswith(".gpu.model_runner") or hasattr(runner, "req_states")
         step = bind(runner, "V2" if v2 else "V1", hook_abi=HOOK_ABI)
     return step or None
-
-
-def upload_many(device, arrays) -> list:
-    """Host integer arrays on ``device`` as int64 1-D views of one staging buffer: on CUDA one
-    pinned copy and one non-blocking host-to-device transfer (no sync) instead of one per array."""
-    import numpy as np
-    import torch
-
-    parts = [np.asarray(a, dtype=np.int64).reshape(-1) for a in arrays]
-    host = torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.int64))
-    if device.type == "cuda":
-        dev = host.pin_memory().to(device, non_blocking=True)
-    else:
-        dev = host.to(device)
-    return list(dev.split([p.size for p in parts]))
 
 
 def _use_reference(dev) -> bool:
@@ -200,10 +157,9 @@ class Routing:
     __slots__ = ("B", "num_draft", "tree", "reasons", "src", "maxn", "ND", "T")
 
 
-class TreeStep:
-    """Per-runner tree state: the tree channel (pending trees) and the last step's result."""
-
-    on_attach = None  # called with (req ids, attachment index) after each attach: the tree step's look-ahead
+class VerifyStep(TreeChannel):
+    """Per-runner verify-side state: the tree channel (pending trees, :class:`.tree_channel.TreeChannel`)
+    and the last step's result."""
 
     def __init__(self, runner: Any, kind: str):
         import torch
@@ -216,10 +172,7 @@ class TreeStep:
         self.K = int(getattr(spec, "num_speculative_tokens", 0) or 0)
         self.max_num_reqs = int(getattr(runner, "max_num_reqs", 0) or 0) or int(
             getattr(getattr(runner, "scheduler_config", None), "max_num_seqs", 256))
-        self._att: list = []  # attached parent tensors of the pending trees
-        self._where: dict[str, tuple[int, int]] = {}  # req id -> (attachment, row)
-        # req id -> (the request's instance on the runner, its chain reason): see chain_reason
-        self._reason_cache: dict[str, tuple[Any, str | None]] = {}
+        self._init_channel()
         self.fallbacks: dict[str, int] = {}  # reason -> requests verified by the chain sampler
         self.tree_requests = 0  # requests verified by the tree walk
         self.engaged_steps = 0  # steps in which the walk ran
@@ -227,7 +180,7 @@ class TreeStep:
         self.engaged = False
         self.num_reqs = 0
         self.num_nodes = 0
-        self.post_walk = None  # called with this TreeStep after each walk (the tree step's KV compaction)
+        self.post_walk = None  # called with this VerifyStep after each walk (the tree step's KV compaction)
         self._alloc(max(self.K, 1))
         from .accounting import Accounting
 
@@ -268,165 +221,6 @@ class TreeStep:
             t = t.pin_memory()
             return t.to(self.device, non_blocking=True)
         return t
-
-    # ---- the tree channel --------------------------------------------------------------------
-    def _instance(self, req_id: str):
-        """What the runner holds for the request now: V1 its ``CachedRequestState`` (a new object
-        for a new request, even under a reused id), V2 its state index (V2 removals evict the
-        cache: parity_v2.watch_removals); None when the runner holds nothing for it."""
-        if self.kind == "V1":
-            return getattr(self.runner, "requests", {}).get(req_id)
-        return getattr(getattr(self.runner, "req_states", None), "req_id_to_index", {}).get(req_id)
-
-    def _same(self, cached, now) -> bool:
-        return cached is now if self.kind == "V1" else (now is not None and cached == now)
-
-    def chain_reason(self, req_id: str) -> str | None:
-        """Why ``req_id`` must be verified by vLLM's chain sampler (a FALLBACK_REASONS key), or
-        None when the tree path reproduces its sampling semantics exactly. Host-only.
-
-        Cached per request instance: an entry counts only while the runner holds the same request
-        under that id (a finished request's id may be reused), and the cache is pruned to the
-        requests the runner holds whenever it reaches ``2 * max_num_reqs + 8`` entries, so a
-        server that has served millions of requests holds no more than that."""
-        now = self._instance(req_id)
-        hit = self._reason_cache.get(req_id)
-        if hit is not None and self._same(hit[0], now):
-            return hit[1]
-        from . import parity_v1, parity_v2
-
-        mod = parity_v1 if self.kind == "V1" else parity_v2
-        reason = mod.runner_reason(self) or mod.request_reason(self, req_id)
-        if reason != "unknown-request":
-            if len(self._reason_cache) >= 2 * self.max_num_reqs + 8:
-                self._prune()
-            self._reason_cache[req_id] = (now, reason)
-        return reason
-
-    def _prune(self) -> None:
-        """Drop the cached decisions of requests the runner no longer holds (amortised: called when
-        the cache reaches its cap, which is twice the requests a step can hold)."""
-        self._reason_cache = {rid: hit for rid, hit in self._reason_cache.items()
-                              if self._same(hit[0], self._instance(rid))}
-
-    def tree_ok(self, req_ids):
-        """True where the request may be drafted as a tree (str -> bool, list -> list[bool])."""
-        if isinstance(req_ids, str):
-            return self.chain_reason(req_ids) is None
-        return [self.chain_reason(r) is None for r in req_ids]
-
-    def forget(self, req_id: str) -> None:
-        """Drop cached decisions and a pending tree: the runner removed the request (finished or
-        preempted; V2 calls this from ``req_states.remove_request``, parity_v2.watch_removals)."""
-        self._reason_cache.pop(req_id, None)
-        self._where.pop(req_id, None)
-        seen = getattr(self, "_grammar_seen", None)
-        if seen is not None:
-            seen.discard(req_id)
-
-    def attach(self, req_ids, parents) -> None:
-        """Attach trees: ``parents[i]`` (local parents of nodes 1..n, 0 = root) is the tree of
-        ``req_ids[i]``; a None id skips that row. ``parents`` is an int tensor ``[R, n]``
-        (kept by reference, not copied, never read on the host), or for one request
-        ``attach(req_id, [p1, ..., pn])`` (checked on the host)."""
-        import torch
-
-        if isinstance(req_ids, str):
-            par = [int(p) for p in (parents.tolist() if hasattr(parents, "tolist") else parents)]
-            for j, p in enumerate(par, start=1):
-                if not 0 <= p < j:
-                    raise ValueError(f"ddtree-patch: tree of {req_ids!r}: node {j} has parent {p}, "
-                                     f"expected 0 <= parent < {j} (parents before children)")
-            req_ids = [req_ids]
-            parents = torch.tensor([par], dtype=torch.int32).to(self.device)
-        if not isinstance(parents, torch.Tensor) or parents.ndim != 2 or parents.shape[0] != len(req_ids):
-            raise TreeChannelError("ddtree-patch: attach(req_ids, parents): parents must be an int "
-                                   f"tensor [len(req_ids), n], got {getattr(parents, 'shape', type(parents))}")
-        if parents.dtype not in (torch.int32, torch.int64):
-            raise TreeChannelError(f"ddtree-patch: attach: parents must be int32/int64, got {parents.dtype}")
-        if parents.device != self.device:
-            raise TreeChannelError(f"ddtree-patch: attach: parents are on {parents.device}, the runner "
-                                   f"verifies on {self.device} (build them there: no host copy)")
-        for rid in req_ids:
-            if rid is not None and (reason := self.chain_reason(rid)) is not None:
-                raise TreeChannelError(
-                    f"ddtree-patch: request {rid!r} cannot be verified as a tree ({reason}: "
-                    f"{FALLBACK_REASONS.get(reason, reason)}); ask step.tree_ok() before drafting and "
-                    "submit a chain for it without attaching")
-        if not self._where:
-            self._att.clear()  # no pending tree references older attachments
-        k = len(self._att)
-        self._att.append(parents.contiguous())
-        for i, rid in enumerate(req_ids):
-            if rid is not None:
-                self._where[rid] = (k, i)
-        if self.on_attach is not None:
-            self.on_attach(req_ids, k)
-
-    def detach(self, req_id: str) -> None:
-        self._where.pop(req_id, None)
-
-    def attachment(self, k: int):
-        """The parents ``[B, n]`` of attachment ``k`` (the ``k`` :meth:`attach` passed to
-        ``on_attach``), or None once a later attach dropped it."""
-        return self._att[k] if 0 <= k < len(self._att) else None
-
-    @property
-    def pending(self) -> "MappingProxyType[str, tuple[int, int]]":
-        """Request id -> ``(attachment, row)`` of its tree attached and not yet verified (read-only)."""
-        return MappingProxyType(self._where)
-
-    def pending_tree(self, req_id: str, n: int):
-        """The first ``n`` local parents (a device view) of the tree attached to ``req_id`` and
-        not yet verified, or None (no tree: the request is verified as a chain). Does not consume
-        it (the walk does)."""
-        where = self._where.get(req_id)
-        if where is None:
-            return None
-        k, row = where
-        return self._att[k][row, :n]
-
-    def _att_starts(self, first: int) -> list[int]:
-        """Where each attachment starts in a flat source of the attachments placed from ``first``
-        on, then the source's end."""
-        starts = [first]
-        for a in self._att:
-            starts.append(starts[-1] + a.numel())
-        return starts
-
-    def pending_index(self, req_ids: Sequence[str], num_draft: Sequence[int], width: int, *,
-                      chain_nodes: Sequence[int] | None = None):
-        """Parents of the pending trees of a batch as a gather: ``(src, idx, has)``, ``src`` an int64
-        device vector and ``idx`` a host int64 ``[len(req_ids), width]`` array, ``parents =
-        src[idx]`` (column j = node j's local parent; -1 for the root column, past a request's
-        ``num_draft`` nodes and on rows without a pending tree; the caller uploads ``idx`` with its
-        other index arrays: one transfer), ``has`` a host bool array (row has a tree).
-        ``chain_nodes`` (per row): rows without a tree get a chain of that many nodes instead (node
-        j's parent j - 1). Reads no device data on the host; does not consume the trees (the walk
-        does)."""
-        import numpy as np
-        import torch
-
-        B = len(req_ids)
-        offsets = self._att_starts(0)
-        base = offsets[-1]  # after the parents: -1, 0, 1, ..., width - 2 (the sentinel, then a chain's)
-        start, count, chain = [0] * B, [0] * B, [0] * B  # per row: first parent's index, nodes; chain nodes
-        for r, (rid, n) in enumerate(zip(req_ids, num_draft)):  # host values only: no numpy call per row
-            where = self._where.get(rid)
-            n = min(int(n), width - 1)
-            if where is None or n <= 0:
-                chain[r] = min(int(chain_nodes[r]), width - 1) if chain_nodes is not None else 0
-            else:
-                k, row = where
-                start[r], count[r] = offsets[k] + row * self._att[k].shape[1], n
-        count_np = np.asarray(count, dtype=np.int64)[:, None]
-        has = count_np[:, 0] > 0
-        j = np.arange(width, dtype=np.int64)[None, :]
-        idx = np.where((j >= 1) & (j <= count_np), np.asarray(start, dtype=np.int64)[:, None] + j - 1,
-                       np.where((j >= 1) & (j <= np.asarray(chain, dtype=np.int64)[:, None]), base + j, base))
-        flat = [a.reshape(-1).to(torch.int64) for a in self._att]
-        src = torch.cat(flat + [torch.arange(-1, width - 1, dtype=torch.int64, device=self.device)])
-        return src, idx, has
 
     # ---- routing (host) ------------------------------------------------------------------------
     def route(self, req_ids: Sequence[str], num_draft: Sequence[int], step_reason: str | None, *,
@@ -611,12 +405,3 @@ class TreeStep:
         from . import parity_v2
 
         return parity_v2.sample(self, logits, input_batch, draft_logits, invalid_drafts)
-
-
-def chain_rows(root_rows, num_acc, W: int):
-    """accepted_rows of chain-verified requests: root + 0..a, -1 after (device)."""
-    import torch
-
-    col = torch.arange(W, device=root_rows.device)
-    rows = root_rows[:, None] + col[None, :]
-    return torch.where(col[None, :] <= num_acc[:, None].to(col.dtype), rows, -1).to(torch.int32)

@@ -42,7 +42,7 @@ from dataclasses import fields, replace
 
 import numpy as np
 
-from .hook import chain_rows
+from .step_rows import chain_rows
 
 BUILTIN_PROCS = ("vllm.v1.sample.logits_processor.builtin",)
 

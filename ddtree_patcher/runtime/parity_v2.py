@@ -24,9 +24,9 @@ logits processors (0.33), synthetic and FLy modes, watermarking, adaptive verifi
 sampling masks, trace replay.
 
 Structured output on V2 is known to the runner only through the grammar bitmask it applies in
-``sample`` just before the hook: the TreeStep wraps the runner's
+``sample`` just before the hook: the VerifyStep wraps the runner's
 ``structured_outputs_worker.apply_grammar_bitmask`` (an instance attribute, set at bind) to see
-which requests have a grammar; a drafter must call ``hook.tree_step(runner)`` before the first
+which requests have a grammar; a drafter must call ``hook.verify_step(runner)`` before the first
 step of a request so that its prefill step is seen.
 """
 
@@ -36,7 +36,7 @@ import inspect
 
 import numpy as np
 
-from .hook import chain_rows
+from .step_rows import chain_rows
 
 NATIVE_PROCS = ("LogitBiasState", "PenaltiesState", "BadWordsState")
 

@@ -18,7 +18,7 @@ class AcceptedPath:
 
     # ---- 3. after the walk: KV compaction ----------------------------------------------------
     def after_walk(self, hook_step) -> None:
-        """``TreeStep.keep`` (the walk's result is in its buffers): move the accepted path's KV
+        """``VerifyStep.keep`` (the walk's result is in its buffers): move the accepted path's KV
         to the linear slots, every target layer of every KV-cache group."""
         if not self.active:
             return

@@ -2,7 +2,7 @@
 their depth positions and ancestor bit rows (``TreePlan``, a part of ``tree_step.TargetTreeStep``),
 made in the runner's input preparation (V1 ``_prepare_inputs``: :meth:`TreePlan.prepare`; V2
 ``execute_model``: :meth:`TreePlan.prepare_v2`) from the trees the DDTree proposer attached to the
-verify-side channel (``hook.TreeStep``), or, in DDTree's steady state, one step ahead from the
+verify-side channel (``hook.VerifyStep``), or, in DDTree's steady state, one step ahead from the
 proposer's attach (:meth:`TreePlan.expect`). The attention, the compaction and the drafter rows
 read what this leaves on the step (``B``, ``T``, ``W``, ``req_mask``, ``ancestor_mask``, the row
 index tensors). Host index arrays: :func:`plan_rows`; bit rows: :func:`pack_rows`."""
@@ -82,7 +82,7 @@ class TreePlan:
 
     # ---- 0. the proposer's attach: the next step's tree metadata, one step ahead --------------
     def expect(self, req_ids, k: int) -> None:
-        """``TreeStep.attach`` hook: when every row of attachment ``k`` is a tree (DDTree's steady
+        """``VerifyStep.attach`` hook: when every row of attachment ``k`` is a tree (DDTree's steady
         state), its ancestor bit rows and depths are made now, on the device behind the drafter,
         for a next step that has exactly this batch (same requests in the same order, each 1 + n
         rows). That step's prepare (:meth:`_prepare_expected`) then checks the batch on the host and
@@ -113,7 +113,7 @@ class TreePlan:
         import numpy as np
         import torch
 
-        from .hook import upload_many
+        from .step_rows import upload_many
 
         key = (B, W)
         plan = self._uniform.get(key)
@@ -176,7 +176,7 @@ class TreePlan:
         """The step's tree metadata: ``num_nodes`` (host, per batch row; 0 = no tree) and
         ``parents`` int64 ``[B, W]`` on the device (local parent of node j, -1 for the root and
         rows without a tree), or ``(src, idx)`` with ``parents = src[idx]`` and ``idx`` a host
-        array (:meth:`TreeStep.pending_index`: uploaded with the step's other index arrays, one
+        array (:meth:`VerifyStep.pending_index`: uploaded with the step's other index arrays, one
         transfer). Ancestor bit rows and depths in one launch on CUDA (``kernels.ancestor_rows``);
         ``positions`` get ``ctx + depth`` at the tree rows, in place.
         ``trees``: how many rows carry a drafted tree (counters; default: rows with nodes).
@@ -185,7 +185,7 @@ class TreePlan:
         import numpy as np
         import torch
 
-        from .hook import upload_many
+        from .step_rows import upload_many
 
         nsched = np.asarray(num_scheduled_tokens[:B], dtype=np.int64)
         nd = np.asarray(num_nodes, dtype=np.int64)

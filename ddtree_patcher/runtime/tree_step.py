@@ -6,7 +6,7 @@ Importing this module imports neither torch nor vLLM (``verify`` and the DDTree 
 read :data:`TREE_STEP_ABI` and :func:`not_installed_reason`); the device work imports torch lazily.
 
 A DDTree verify step scores, per request, the tree the DDTree proposer attached to the runner's
-``TreeStep`` (``hook.tree_step(runner)``): row 0 is the root (the last verified token), rows
+``VerifyStep`` (``hook.verify_step(runner)``): row 0 is the root (the last verified token), rows
 1..n the nodes in node order. Four things make the target's forward and the engine's state
 right for that tree:
 
@@ -25,7 +25,7 @@ right for that tree:
    the layer's only FlashAttention call; otherwise the causal call runs first, for the rows of
    the other requests, with the arguments the forward passes for the configurations DDTree
    admits.
-3. **KV compaction** (:meth:`TargetTreeStep.after_walk`, called by ``TreeStep.keep`` right after
+3. **KV compaction** (:meth:`TargetTreeStep.after_walk`, called by ``VerifyStep.keep`` right after
    the tree walk, before the drafter and before the next step): for every target layer of every
    KV-cache group, the KV of the node accepted at depth d (slot of ``ctx + j_d``) moves to the
    slot of ``ctx + d``; vLLM's bookkeeping (accepted = first a + 1 query tokens) is then true.
@@ -124,7 +124,7 @@ class TargetTreeStep(TreePlan, TreeAttention, AcceptedPath):
         self.v2 = hasattr(runner, "req_states") or type(runner).__module__.endswith(".gpu.model_runner")
         self.runner = runner
         self.device = torch.device(getattr(runner, "device", "cpu"))
-        self.hook = hook.tree_step(runner)
+        self.hook = hook.verify_step(runner)
         if self.hook is None:
             raise not_ready("the tree-walk hook is not active in this process (DDTREE_PATCH_ENABLE unset)")
         if self.hook.chain_as_tree:

@@ -31,7 +31,7 @@ def _bits(t):
 
 
 def _walk(c, gen, W, row_base=None, forced=None):
-    """TreeStep-style accepted_rows [B, W] (-1 padded; any row numbering) and num_accepted."""
+    """VerifyStep-style accepted_rows [B, W] (-1 padded; any row numbering) and num_accepted."""
     B = len(c.parents)
     rows = torch.full((B + 2, W), -1, dtype=torch.int32)  # oversized like max_num_reqs buffers
     nacc = torch.zeros(B + 2, dtype=torch.int32)

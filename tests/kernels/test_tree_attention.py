@@ -204,7 +204,7 @@ def test_request_mask_and_padding_rows_untouched():
 
 
 def test_num_reqs_and_oversized_buffers():
-    """TreeStep-style buffers sized for max_num_reqs: only the first num_reqs requests count."""
+    """VerifyStep-style buffers sized for max_num_reqs: only the first num_reqs requests count."""
     c = make_case([9, 14], [5, 3], seed=17)
     big_mask = torch.cat([c.ancestor_mask, torch.full((3,) + c.ancestor_mask.shape[1:], -1,
                                                       dtype=torch.int32)])

@@ -3,7 +3,7 @@
 batch is the one attached (every request a tree of 1 + n rows, same requests in the same order)
 the prepare makes exactly the metadata of the general prepare (index tensors, bit rows, request
 mask, FULL-graph buffers, depth positions, counters), without its upload and launch; for every
-other batch it leaves the step to the general prepare. On CPU, with the real ``hook.TreeStep``
+other batch it leaves the step to the general prepare. On CPU, with the real ``hook.VerifyStep``
 (its attach calls the look-ahead) and the graph path's kernel under the Triton interpreter."""
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def make_step(ids, n, graph_q=None, look_ahead=True):
                                    max_num_reqs=8, requests={r: types.SimpleNamespace(sampling_params=_params())
                                                              for r in ids})
     st = bare_tree_step()
-    st.hook = hook.TreeStep(runner, "V1")
+    st.hook = hook.VerifyStep(runner, "V1")
     st.graph_bufs = None
     if graph_q:
         rows = len(ids) + 2

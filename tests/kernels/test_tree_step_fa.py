@@ -218,7 +218,7 @@ def test_pending_index_masks_rows_without_a_tree_as_chains():
         src, idx, has = h.pending_index(*args, **kw)
         return src[torch.from_numpy(idx)], has
 
-    h = hook.TreeStep.__new__(hook.TreeStep)
+    h = hook.VerifyStep.__new__(hook.VerifyStep)
     h.device = torch.device("cpu")
     h._att = [torch.tensor([[0, 0, 1, 2], [0, 1, 1, 0]], dtype=torch.int32)]
     h._where = {"a": (0, 0), "c": (0, 1)}
@@ -240,7 +240,7 @@ def test_pending_index_equals_a_per_row_loop():
 
     rng = np.random.default_rng(5)
     for trial in range(20):
-        h = hook.TreeStep.__new__(hook.TreeStep)
+        h = hook.VerifyStep.__new__(hook.VerifyStep)
         h.device = torch.device("cpu")
         h._att = [torch.zeros(int(rng.integers(1, 4)), int(rng.integers(1, 9)), dtype=torch.int32) for _ in range(3)]
         B = int(rng.integers(1, 9))

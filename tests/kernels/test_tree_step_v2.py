@@ -17,7 +17,7 @@ from helpers import bare_tree_step
 
 
 def v2_step():
-    h = hook.TreeStep.__new__(hook.TreeStep)
+    h = hook.VerifyStep.__new__(hook.VerifyStep)
     h.device = torch.device("cpu")
     # request "a": 4 nodes (0-based parents of nodes 1..4: root, root, node 1, node 2); "c": 3 nodes
     h._att = [torch.tensor([[0, 0, 1, 2], [0, 1, 1, 0]], dtype=torch.int32)]
@@ -45,7 +45,7 @@ def test_prepare_v2_compaction_slots_and_drafter_rows():
     assert positions[5:8].tolist() == [0, 1, 2] and positions[8:12].tolist() == [20 + d for d in depth_c]
     assert torch.equal(st._slots(0), slots[0, :12])
 
-    # the walk's result (hook.TreeStep.keep's buffers): accepted rows [B, W], -1 padded
+    # the walk's result (hook.VerifyStep.keep's buffers): accepted rows [B, W], -1 padded
     kv = torch.randn(16, 4, 2, 3)  # (blocks, block size, heads, dim): 64 slots
     before = kv.clone()
     st.groups = [(0, [kv])]

@@ -218,7 +218,7 @@ def test_step_reads_nothing_on_the_host(monkeypatch):
 
 
 def test_tree_step_keeps_spine_and_exposes_counters(monkeypatch):
-    """TreeStep.keep fills ``spine_accepted`` beside ``num_accepted``; counters() carries the accounting."""
+    """VerifyStep.keep fills ``spine_accepted`` beside ``num_accepted``; counters() carries the accounting."""
     from types import SimpleNamespace
 
     import numpy as np
@@ -228,7 +228,7 @@ def test_tree_step_keeps_spine_and_exposes_counters(monkeypatch):
     monkeypatch.setenv("DDTREE_PATCH_ENABLE", "1")
     runner = SimpleNamespace(device="cpu", max_num_reqs=4, requests={},
                              speculative_config=SimpleNamespace(num_speculative_tokens=6, ddtree_patch={"budget": 6, "depth": 3}))
-    step = hook.TreeStep(runner, "V1")
+    step = hook.VerifyStep(runner, "V1")
     ro = hook.Routing()
     ro.B, ro.num_draft, ro.tree, ro.reasons = 1, np.array([6]), np.array([True]), [None]
     ro.ND, ro.maxn, ro.T = 6, 6, 7

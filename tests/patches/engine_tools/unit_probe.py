@@ -186,7 +186,7 @@ def _():
         md = metadata(drafts)
         ids = [f"r{i}" for i in range(len(sizes))]
         runner = FakeRunnerV1(ids, sampling(len(sizes)))
-        step = hook.tree_step(runner)
+        step = hook.verify_step(runner)
         for rid, par in zip(ids, parents):
             step.attach(rid, par)
         out = v1_patched(runner, logits, md)

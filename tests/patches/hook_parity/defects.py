@@ -44,7 +44,7 @@ def _rows(*argmaxes, second=None, margin=4.0, seed=0):
 
 # ---- V1 -------------------------------------------------------------------------------------------
 def _v1_step(world, drafts, logits, attach=None, guard=True):
-    step = hook.tree_step(world.runner)
+    step = hook.verify_step(world.runner)
     for rid, par in (attach or {}).items():
         step.attach(rid, par)
     sm = world.set_drafts(drafts)
@@ -130,7 +130,7 @@ def attach_device_tensor():
     env(DDTREE_PATCH_ENABLE="1")
     greedy = SamplingParams(temperature=0.0, max_tokens=64)
     world = V1World([greedy, greedy], vocab=V, k=K, spec=True)
-    step = hook.tree_step(world.runner)
+    step = hook.verify_step(world.runner)
     parents = torch.tensor([[0, 0], [0, 1]], dtype=torch.int32, device=world.runner.device)
     try:
         with no_host_sync():
@@ -148,7 +148,7 @@ def attach_device_tensor():
 
 # ---- V2 -------------------------------------------------------------------------------------------
 def _v2_step(world, drafts, logits, attach=None, gen=None, guard=True):
-    step = hook.tree_step(world.runner)
+    step = hook.verify_step(world.runner)
     for rid, par in (attach or {}).items():
         step.attach(rid, par)
     ib = world.batch(drafts, [3] * len(drafts), gen or [2] * len(drafts))

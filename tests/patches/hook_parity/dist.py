@@ -147,7 +147,7 @@ def v1_dist(spec: bool, seeded: bool, seed: int):
     a, b, c = _drafts(p[0], p[1])
     env(DDTREE_PATCH_ENABLE="1")
     world = V1World(sps, vocab=VD, k=K, spec=spec, maxr=n)
-    step = hook.tree_step(world.runner)
+    step = hook.verify_step(world.runner)
     drafts = [[a, b, c]] * n
     step.attach(world.ids, torch.tensor([PARENTS] * n, dtype=torch.int32))
     sm = world.set_drafts(drafts)
@@ -182,7 +182,7 @@ def v2_dist(world, costly: bool, seed: int):
     env(DDTREE_PATCH_ENABLE="1")
     m = min(V2_SLOTS, n)
     outs, seeded = [], []
-    step = hook.tree_step(world.runner)
+    step = hook.verify_step(world.runner)
     for k in range(0, n, m):
         sps = [SamplingParams(**base, seed=(seed * 1_000_003 + k + i if i % 2 else None)) for i in range(m)]
         world.readd(sps)

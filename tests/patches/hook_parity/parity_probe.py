@@ -172,7 +172,7 @@ def v2_round(g, mode: str):
     env(**({"DDTREE_PATCH_CHAIN_AS_TREE": "1"} if mode == "chain" else {"DDTREE_PATCH_ENABLE": "1"}))
     world = V2World(sps, vocab=V, k=K, maxr=MAXR, prompt_lens=prompt_lens)
     ids = world.ids
-    step = hook.tree_step(world.runner)
+    step = hook.verify_step(world.runner)
     ok = step.tree_ok(ids)
     sizes = [int(g.integers(0, K + 1)) for _ in range(B)]
     parents_all = [random_tree(g, n, mode == "chain" or not ok[r]) for r, n in enumerate(sizes)]
@@ -246,7 +246,7 @@ def v1_round(g, mode: str, spec: bool):
     outputs = [[int(t) for t in g.integers(0, V, int(g.integers(0, 6)))] for _ in range(B)]
     world = V1World(sps, vocab=V, k=K, spec=spec, maxr=MAXR, outputs=outputs)
     ids = world.ids
-    step = hook.tree_step(world.runner)
+    step = hook.verify_step(world.runner)
     ok = step.tree_ok(ids)
     sizes = [int(g.integers(0, K + 1)) for _ in range(B)]
     parents_all = [random_tree(g, n, mode == "chain" or not ok[r]) for r, n in enumerate(sizes)]

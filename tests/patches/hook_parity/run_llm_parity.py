@@ -8,7 +8,7 @@ top-k path fails, "selected index k out of range", DDTree off too), ENGINES (def
 next: no speculation; DFlash K=3 with DDTree off (the patched call site, vLLM's sampler);
 DFlash K=3 with DDTREE_PATCH_CHAIN_AS_TREE=1), SYNC_DEBUG:
 
-* ``cuda``: every call of TreeStep.sample_v1/sample_v2 runs under
+* ``cuda``: every call of VerifyStep.sample_v1/sample_v2 runs under
   ``torch.cuda.set_sync_debug_mode("warn")``; each synchronising CUDA call (PyTorch's warning) is
   attributed to the innermost ddtree_patcher or vLLM frame on the stack when it is made:
   ``sync.ours`` (must be 0) or ``sync.vllm`` (vLLM's own code the step calls: its rejection
@@ -86,8 +86,8 @@ def guard_steps():
                     torch.cuda.set_sync_debug_mode("default")
         return run
 
-    hook.TreeStep.sample_v1 = guarded(hook.TreeStep.sample_v1)
-    hook.TreeStep.sample_v2 = guarded(hook.TreeStep.sample_v2)
+    hook.VerifyStep.sample_v1 = guarded(hook.VerifyStep.sample_v1)
+    hook.VerifyStep.sample_v2 = guarded(hook.VerifyStep.sample_v2)
 
 
 def requests():

@@ -71,7 +71,9 @@ def test_parity_against_real_samplers(version, family, tmp_path):
 
 # ---- no host synchronisation in the step: AST lint ------------------------------------------------
 RUNTIME = Path(__import__("ddtree_patcher.runtime.hook", fromlist=["x"]).__file__).parent
-STEP_FUNCTIONS = {"hook.py": ("route", "tree_tensors", "keep", "verify", "upload", "chain_rows", "account"),
+STEP_FUNCTIONS = {"hook.py": ("route", "tree_tensors", "keep", "verify", "upload", "account"),
+                  "step_rows.py": ("upload_many", "chain_rows"),
+                  "tree_channel.py": ("pending_tree", "pending_index", "attachment"),
                   "parity_v1.py": ("sample", "randomness", "_bonus_metadata"),
                   "parity_v2.py": ("sample", "_call", "_output")}
 SYNC_ATTRS = {"item", "tolist", "cpu", "numpy", "nonzero", "synchronize"}
