@@ -122,7 +122,7 @@ if self.__dict__.get("ddtree_proposer") is not None:  {MARK} (DDTree: the tree i
 
 V2_TOKENS_CODE = f"""\
 _ddtree = self.speculator.__dict__.get("ddtree_proposer")  {MARK}
-if _ddtree is not None:  {MARK} (DDTree: per request the tree or a chain; trees to the VerifyStep)
+if _ddtree is not None:  {MARK} (DDTree: per request the tree or a chain; trees to the TreeStep)
     draft_tokens = _ddtree.tokens_v2(self, input_batch, draft_tokens)  {MARK}
 """
 
