@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddtree_patcher import __version__
-from ddtree_patcher.errors import DDTreeError, EnvironmentProblem, ExitCode, Refused, ValidationFailed
+from ddtree_patcher.errors import DDTreeError, EnvironmentProblem, ExitCode, Refused, ValidationFailed, survey_hint
 from ddtree_patcher.patchlib import (
     APPLIED, DRIFTED, LOST, NOT_APPLICABLE, PENDING, UNSUPPORTED, UPSTREAM, Patch,
 )
@@ -204,7 +204,7 @@ class ScanCache:
             pass
 
 
-class _Sources:
+class Sources:
     """Reads target files once and parses each at most once per content."""
 
     def __init__(self, target: Target):
@@ -248,7 +248,7 @@ def _gone(target: Target, pf) -> bool:
     return bool(pf.gone_with) and not any((target.site / g).exists() for g in pf.gone_with)
 
 
-def _scan(target: Target, state: State, patches: tuple[Patch, ...], src: _Sources) -> list[PatchReport]:
+def scan_target(target: Target, state: State, patches: tuple[Patch, ...], src: Sources) -> list[PatchReport]:
     reports = []
     for patch in patches:
         files = []
@@ -306,7 +306,7 @@ def _scan(target: Target, state: State, patches: tuple[Patch, ...], src: _Source
     return reports
 
 
-def _desired_bytes(target: Target, state: State, store: tx.Store, src: _Sources, rel: str,
+def _desired_bytes(target: Target, state: State, store: tx.Store, src: Sources, rel: str,
                    wanted: list[Patch], allow_untested: bool) -> tuple[bytes, bytes, list[str]]:
     """(pristine bytes, bytes with ``wanted`` applied in series order, ids of the patches that
     rewrote something) for one file."""
@@ -352,7 +352,7 @@ def _desired_bytes(target: Target, state: State, store: tx.Store, src: _Sources,
     return pristine, new, rewrote
 
 
-def _plan(target: Target, state: State, store: tx.Store, src: _Sources, desired_ids: list[str],
+def _plan(target: Target, state: State, store: tx.Store, src: Sources, desired_ids: list[str],
           allow_untested: bool, reports: list[PatchReport]) -> tuple[list[tx.Change], State]:
     """Changes that move every file to ``desired_ids`` applied, and the state that records it."""
     all_ = series()
@@ -519,13 +519,13 @@ class Engine:
         """One transaction to ``new_state`` (no state file when nothing stays applied)."""
         tx.commit(self.store, op, changes, new_state.to_json(__version__) if new_state.files else None, post)
 
-    def _begin(self, lock: Lock) -> tuple[list[str], State, "_Sources", list[PatchReport]]:
+    def _begin(self, lock: Lock) -> tuple[list[str], State, "Sources", list[PatchReport]]:
         """Under the lock: recover an interrupted transaction, load the state, scan every patch."""
         notes: list[str] = []
         self._recover(notes)
         state = self._state()
-        src = _Sources(self.target)
-        reports = _scan(self.target, state, series(), src)
+        src = Sources(self.target)
+        reports = scan_target(self.target, state, series(), src)
         if not lock.read_only:
             src.cache.save()
         return notes, state, src, reports
@@ -538,7 +538,7 @@ class Engine:
             return "restoring the file from your vLLM source tree (e.g. `git checkout`)"
         return f"reinstalling vLLM (`pip install --force-reinstall --no-deps {self.target.dist}=={self.target.version}`)"
 
-    def _backup_warnings(self, state: State, src: "_Sources") -> list[str]:
+    def _backup_warnings(self, state: State, src: "Sources") -> list[str]:
         """A recorded file that is not pristine needs its pristine backup for `revert`."""
         out = []
         for rel, rec in sorted(state.files.items()):
@@ -573,14 +573,14 @@ class Engine:
         if unsupported:
             steps.append(f"{', '.join(unsupported)}: no variant recognises this vLLM's code, so it cannot be "
                          "applied here (docs/matrix.md lists where each patch was verified); "
-                         + _survey_hint(self.target.version))
+                         + survey_hint(self.target.version))
         return "; ".join(steps) or None
 
     # ---- commands -------------------------------------------------------------------------
 
     def scan(self, patches: tuple[Patch, ...], save_cache: bool = False) -> list[PatchReport]:
-        src = _Sources(self.target)
-        reports = _scan(self.target, self._state(), patches, src)
+        src = Sources(self.target)
+        reports = scan_target(self.target, self._state(), patches, src)
         if save_cache:  # only under the lock
             src.cache.save()
         return reports
@@ -601,8 +601,8 @@ class Engine:
                     notes.append("temp files of an interrupted run remain; the next apply or revert by the "
                                  "owner of site-packages removes them")
         state = self._state()
-        src = _Sources(self.target)
-        reports = _scan(self.target, state, patches, src)
+        src = Sources(self.target)
+        reports = scan_target(self.target, state, patches, src)
         for r in reports:
             if r.status == APPLIED and r.patch.runtime is not None:
                 r.problem = r.patch.runtime(self.target.site, self.python)
@@ -646,7 +646,7 @@ class Engine:
             shown = [r for r in reports if r.patch.id in selected]
             if any(r.patch.id in selected and (r.status == UNSUPPORTED or (
                     r.status == PENDING and not allow_untested and any(f.untested for f in r.files))) for r in reports):
-                refusals.append(_survey_hint(self.target.version))  # code no variant knows: what moved where
+                refusals.append(survey_hint(self.target.version))  # code no variant knows: what moved where
             if refusals:
                 raise RefusedWith(Result("apply", self.target, shown, notes=notes), "; ".join(refusals))
             desired = [p.id for p in series()
@@ -705,12 +705,6 @@ class Engine:
                 result.changed = bool(changes)
             result.reports = self.scan(patches, save_cache=not lock.read_only and bool(new_state.files))
             return result
-
-
-def _survey_hint(version: str | None) -> str:
-    from ddtree_patcher.survey import hint  # no libcst, no download: just the command to suggest
-
-    return hint(version)
 
 
 def _report(reports: list[PatchReport], pid: str) -> PatchReport:

@@ -85,3 +85,15 @@ def environment(exc: OSError, doing: str, changed: str = "nothing was changed",
     """An exit-4 error for ``exc`` raised while ``doing`` something: what, why, and what to do."""
     tip = advice(exc)
     return EnvironmentProblem(f"{doing}: {describe(exc, name)}; {changed}" + (f". To fix: {tip}" if tip else ""))
+
+
+def survey_hint(version: str | None) -> str:
+    """The command named in refusals of code the variants do not know."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        ok = version is not None and not Version(version).local and not Version(version).is_devrelease
+    except InvalidVersion:
+        ok = False
+    return (f"`ddtree-patch survey --release {version if ok else '<X.Y.Z>'}` reports, per patch and anchor, "
+            "what matched, what moved and what is missing in this release")

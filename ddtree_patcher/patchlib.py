@@ -130,7 +130,7 @@ def replace_and_mark(matcher: Matcher, replace: Callable[[Any], Any]) -> Callabl
     ``replace(node)`` and put the patch's marker comment at the end of each changed line."""
 
     def make(patch_id: str):
-        from ddtree_patcher.examine import ReplaceAndMark
+        from ddtree_patcher.rewriters import ReplaceAndMark
 
         return ReplaceAndMark(patch_id, matcher(), replace)
 
@@ -142,7 +142,7 @@ def rules_rewrite(*rules) -> Callable[[str], Any]:
     node matching a rule is rewritten by its action (which marks the changed lines) and counted."""
 
     def make(patch_id: str):
-        from ddtree_patcher.examine import CountingTransformer
+        from ddtree_patcher.rewriters import CountingTransformer
 
         class RulesTransformer(CountingTransformer):
             def __init__(self):

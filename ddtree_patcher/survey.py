@@ -36,7 +36,7 @@ import zipfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from ddtree_patcher.errors import DDTreeError, EnvironmentProblem, ExitCode
+from ddtree_patcher.errors import DDTreeError, EnvironmentProblem, ExitCode, survey_hint as hint  # noqa: F401 - hint: the refusals' command
 
 DIST = "vllm"
 MAX_PLACES = 8  # locations listed per "found elsewhere"
@@ -258,7 +258,7 @@ def def_line(text: str, qualname: str) -> int | None:
 # ---- the survey -------------------------------------------------------------------------------
 def _site_report(patch, pf, variant, site, module, rel_present: bool, release: _Release, source: bytes | None):
     from ddtree_patcher import cst_helpers as h
-    from ddtree_patcher.examine import _site_state
+    from ddtree_patcher.examine import site_state
 
     out = {"function": site.function, "anchor": site.anchor, "expect": site.expect}
     if not rel_present:
@@ -281,7 +281,7 @@ def _site_report(patch, pf, variant, site, module, rel_present: bool, release: _
     n = h.count(node, site.unfixed())
     fixed = h.count(node, site.fixed()) if site.fixed is not None else None
     applies = site.applies(module, node) if site.applies is not None else None
-    st = _site_state(patch, pf.path, module, site, source is None or patch.marker.encode() in source)
+    st = site_state(patch, pf.path, module, site, source is None or patch.marker.encode() in source)
     out.update(line=def_line(module.code, site.function), shape=shape,
                shape_verified=shape in variant.shapes.get(site.function, frozenset()),
                matched=n, upstream_marker=fixed, applies=applies, engine=st.status, reason=st.reason)
@@ -311,8 +311,8 @@ def survey_site(site: Path, ids=None) -> dict:
 
     target = from_site(site)
     patches = engine.select(ids)
-    src = engine._Sources(target)
-    reports = engine._scan(target, State(), patches, src)
+    src = engine.Sources(target)
+    reports = engine.scan_target(target, State(), patches, src)
     release = _Release(site)
     doc_patches = []
     refusals = []
@@ -449,15 +449,3 @@ def run(release: str | None, vllm_path: str | None, ids, as_json: bool) -> int:
         return int(ExitCode.ENVIRONMENT)
     print(json.dumps(doc, indent=2) if as_json else render(doc), end="\n" if as_json else "")
     return 0
-
-
-def hint(version: str | None) -> str:
-    """The command named in refusals of code the variants do not know."""
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        ok = version is not None and not Version(version).local and not Version(version).is_devrelease
-    except InvalidVersion:
-        ok = False
-    return (f"`ddtree-patch survey --release {version if ok else '<X.Y.Z>'}` reports, per patch and anchor, "
-            "what matched, what moved and what is missing in this release")

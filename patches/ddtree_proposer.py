@@ -178,7 +178,7 @@ def _prepend_to_body(matcher, code: str):
     """A ``Site.rewrite``: ``code`` becomes the first statements of the anchor's (an ``if``) body."""
 
     def make(patch_id: str):
-        from ddtree_patcher.examine import CountingTransformer
+        from ddtree_patcher.rewriters import CountingTransformer
 
         class Prepend(CountingTransformer):
             def __init__(self):

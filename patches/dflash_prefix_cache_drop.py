@@ -71,19 +71,19 @@ def _and(left, right):
 
 # ---- marking: the marker goes on every physical line that changes ---------------------------
 def _mark_line(line):
-    from ddtree_patcher.examine import mark_line
+    from ddtree_patcher.rewriters import mark_line
 
     return mark_line(line, ID)
 
 
 def _mark_header(node):  # "if ...:  # marker"
-    from ddtree_patcher.examine import marked
+    from ddtree_patcher.rewriters import marked
 
     return node.with_changes(body=node.body.with_changes(header=marked(node.body.header, ID)))
 
 
 def _mark_arg(arg):  # "    keyword=value,  # marker" (not on its own line: unmarked, then refused)
-    from ddtree_patcher.examine import mark_comma
+    from ddtree_patcher.rewriters import mark_comma
 
     return mark_comma(arg, ID)
 

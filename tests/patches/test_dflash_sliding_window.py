@@ -429,7 +429,7 @@ def test_unpack_site_is_upstream_from_0_23():
 
     for version, want in (("0.22.1", "pending"), ("0.23.0", "upstream"), ("0.33.0", "upstream")):
         module = cst.parse_module((vllm_wheels.extracted(version) / P.RUNNER_PY).read_bytes())
-        assert ex._site_state(P.PATCH, P.RUNNER_PY, module, P.UNPACK, False).status == want, version
+        assert ex.site_state(P.PATCH, P.RUNNER_PY, module, P.UNPACK, False).status == want, version
 
 
 @dataclass(frozen=True)
