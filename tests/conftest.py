@@ -61,6 +61,7 @@ TIERS: dict[str, tuple | dict] = {
     "engine/test_matrix.py": {"*": (), "test_round_trip_is_byte_exact": ("every_release",)},
     "engine/test_reliability.py": {"*": (), "test_kill9_during_apply_always_recovers": ("long",),
                                    "test_kill9_during_revert_always_recovers": ("long",)},
+    "engine/test_structure.py": (),
     "engine/test_survey.py": (),
     "kernels/test_aot_compile.py": ("interpreter",),
     "kernels/test_bench_tree_step.py": {"*": ("interpreter",), "test_gpu_script_parses": ()},
