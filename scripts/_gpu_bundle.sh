@@ -30,8 +30,17 @@ bundle_install() {
     for d in "$REPO"/.bundle/0*/; do cp -f "$d"* /tmp/vb/ || exit 3; done
     eval "$(bash /tmp/vb/device_install.sh | tee "$O/install.log" | grep '^export ')" || exit 4
   fi
-  export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=/tmp/site:/tmp/tools:$REPO PYTHONUNBUFFERED=1 \
+  export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=/tmp/site:/tmp/tools:$(ddtree_path) PYTHONUNBUFFERED=1 \
     VLLM_ENABLE_V1_MULTIPROCESSING=0
+  cd /tmp  # engines never run in the checkout: `python -m` subprocesses (vLLM's model registry) put the
+           # working directory first on sys.path, where the checkout's kernels/ would shadow the
+           # `kernels` package transformers imports
+}
+
+ddtree_path() {  # a folder holding only a link to the checkout's ddtree_patcher: PYTHONPATH gets the package,
+  # never the checkout's other top-level folders (kernels/, patches/, tests/: they would shadow packages
+  # of the same name, e.g. `kernels`, which transformers 5.x imports)
+  mkdir -p /tmp/ddtree_path && ln -sfn "$REPO/ddtree_patcher" /tmp/ddtree_path/ddtree_patcher && echo /tmp/ddtree_path
 }
 
 bundle_apply_series() {

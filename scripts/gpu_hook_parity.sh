@@ -125,6 +125,8 @@ PY
   export PYTHONPATH=$SITE PYTHONUNBUFFERED=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 ROOT=$W/tiny CPU=1 DTYPE=float32 \
     VLLM_CPU_KVCACHE_SPACE=1 CUDA_VISIBLE_DEVICES="" TRITON_INTERPRET=1 PYTHONDONTWRITEBYTECODE=1 NO_TOP_K=1
   unset DDTREE_PATCH_ENABLE DDTREE_PATCH_CHAIN_AS_TREE VLLM_USE_V2_MODEL_RUNNER
+  cd "$W"  # not the checkout: vLLM's `python -m` registry subprocess puts the working directory first on
+           # sys.path, where the checkout's kernels/ would shadow the `kernels` package transformers imports
   ph apply
   "$PY" -m ddtree_patcher.cli apply --vllm-path "$SITE" --patch tree-walk-hook > "$O/apply.log" 2>&1 \
     || { cat "$O/apply.log"; exit 5; }

@@ -76,8 +76,9 @@ install_site() {  # the bundle's parts from /tmp/vb (staged by stage1 calls) or 
     for d in "$REPO"/.bundle/0*/; do [ -d "$d" ] && { cp -f "$d"* /tmp/vb/ || exit 3; }; done
     eval "$(bash /tmp/vb/device_install.sh | tee "$O/install.log" | grep '^export ')" || exit 4
   fi
-  export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=/tmp/site:/tmp/tools:$REPO PYTHONUNBUFFERED=1 \
+  export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=/tmp/site:/tmp/tools:$(ddtree_path) PYTHONUNBUFFERED=1 \
     VLLM_ENABLE_V1_MULTIPROCESSING=0
+  cd /tmp  # engines never run in the checkout (scripts/_gpu_bundle.sh: ddtree_path)
 }
 
 measure() {
