@@ -30,6 +30,11 @@ Sites (each insert is a few marked lines; the anchor itself is kept unchanged):
   ``self.req_states.draft_tokens[input_batch.idx_mapping] = draft_tokens``: per request the tree
   (attached to the runner's VerifyStep) or a chain. On 0.20.0-0.23.0 the V2 runner exists but
   cannot host DFlash: not applicable (the test of tree-walk-hook's V2 site).
+* ``vllm/v1/core/sched/scheduler.py::Scheduler.schedule`` (0.24.0+, where vLLM's dynamic speculative
+  decoding sets ``num_spec_tokens_to_schedule``), right after that lookup: with
+  ``DDTREE_PATCH_BUDGET=auto`` the next step's draft count is the budget policy's pick
+  (``runtime.budget_site``); otherwise vLLM's count stands (one dict lookup and one branch per step).
+  Not applicable where the scheduler has no such count (0.20.0-0.23.0).
 
 Not applicable before 0.20.0 (no DFlash). Nothing is upstream. vLLM 0.34.0 has no V1 runner (its files
 are not applicable); its config, V2 speculator and V2 runner carry the V2 sites (new shapes, the
@@ -51,6 +56,8 @@ DFLASH_V1_PY = "vllm/v1/spec_decode/dflash.py"
 PROPOSER_PY = "vllm/v1/spec_decode/llm_base_proposer.py"
 DFLASH_V2_PY = "vllm/v1/worker/gpu/spec_decode/dflash/speculator.py"
 RUNNER_V2_PY = "vllm/v1/worker/gpu/model_runner.py"
+SCHED_PY = "vllm/v1/core/sched/scheduler.py"
+SCHED_FN = "Scheduler.schedule"
 CONFIG_FN = "SpeculativeConfig._verify_args"
 V1_INIT_FN = "DFlashProposer.__init__"
 PROPOSE_FN = "SpecDecodeBaseProposer.propose"
@@ -120,6 +127,21 @@ if self.__dict__.get("ddtree_proposer") is not None:  {MARK} (DDTree: the tree i
     return self.ddtree_proposer.draft_v2(self, sample_hidden_states, num_reqs)  {MARK}
 """
 
+SCHED_MISSING = MISSING.replace("ddtree_patcher.runtime.ddtree", "ddtree_patcher.runtime.budget_site")
+SCHED_CODE = f"""\
+_ddtree_auto = self.__dict__.get("ddtree_budget_auto", False)  {MARK}
+if _ddtree_auto is False:  {MARK} (the first schedule() of this scheduler)
+    _ddtree_auto = self.ddtree_budget_auto = None  {MARK}
+    if self.num_spec_tokens and __import__("os").environ.get("{ENV_ENABLE}", "0") not in ("", "0"):  {MARK}
+        try:  {MARK}
+            from ddtree_patcher.runtime.budget_site import bind_scheduler as _ddtree_bind_scheduler  {MARK}
+        except ImportError as _ddtree_err:  {MARK}
+            raise RuntimeError({SCHED_MISSING.format(abi=DDTREE_ABI)!r}) from _ddtree_err  {MARK}
+        _ddtree_auto = self.ddtree_budget_auto = _ddtree_bind_scheduler(self, ddtree_abi={DDTREE_ABI})  {MARK}
+if _ddtree_auto is not None and num_scheduled_tokens:  {MARK} (DDTREE_PATCH_BUDGET=auto: the next step's budget)
+    num_spec_tokens_to_schedule = _ddtree_auto.pick(len(num_scheduled_tokens))  {MARK}
+"""
+
 V2_TOKENS_CODE = f"""\
 _ddtree = self.speculator.__dict__.get("ddtree_proposer")  {MARK}
 if _ddtree is not None:  {MARK} (DDTree: per request the tree or a chain; trees to the TreeStep)
@@ -171,6 +193,22 @@ def _store_drafts():
         targets=[m.AssignTarget(target=m.Subscript(value=m.Attribute(
             value=_self_attr("req_states"), attr=m.Name("draft_tokens"))))],
         value=m.Name("draft_tokens"))])
+
+
+def _dynamic_sd_if():
+    """``if self.dynamic_sd_lookup is not None and len(num_scheduled_tokens) > 0:`` (vLLM's dynamic-SD
+    count of the next step, right after ``num_spec_tokens_to_schedule = self.num_spec_tokens``)."""
+    return m.If(test=m.BooleanOperation(
+        left=m.Comparison(left=_self_attr("dynamic_sd_lookup"),
+                          comparisons=[m.ComparisonTarget(operator=m.IsNot(), comparator=m.Name("None"))]),
+        operator=m.And()))
+
+
+def _has_scheduled_count(module, node) -> bool:
+    """The scheduler decides the next step's draft count (``num_spec_tokens_to_schedule``, 0.24.0+)."""
+    from ddtree_patcher.cst_helpers import contains_text
+
+    return contains_text(module, node, "num_spec_tokens_to_schedule")
 
 
 # ---- rewrites -------------------------------------------------------------------------------
@@ -226,6 +264,11 @@ V2_TOKENS_SITE = Site(function=V2_RUNNER_FN,
                       unfixed=_store_drafts, rewrite=insert_statements(_store_drafts, V2_TOKENS_CODE, after=False),
                       applies=_v2_hosts_dflash)
 
+SCHED_SITE = Site(function=SCHED_FN, anchor="`if self.dynamic_sd_lookup is not None and len(num_scheduled_tokens) > 0:`",
+                  unfixed=_dynamic_sd_if, rewrite=insert_statements(_dynamic_sd_if, SCHED_CODE, after=True),
+                  applies=_has_scheduled_count,
+                  absent="no draft count of the next step in the scheduler (before vLLM 0.24.0)")
+
 ON_020 = ("0.20.0", "0.20.1", "0.20.2", "0.21.0", "0.22.0", "0.22.1", "0.23.0")
 ON_024 = ("0.24.0", "0.25.0", "0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")
 ON_034 = ("0.34.0",)  # V2-only
@@ -269,11 +312,15 @@ SHAPES_V2_RUNNER = {V2_RUNNER_FN: frozenset({
     "50e11efe9bab",  # 0.34.0
 })}
 
-
+SHAPES_SCHED = {SCHED_FN: frozenset({
+    "87a6016cdb08", "ebed3172cfa9", "eab0eb28895f", "2ca842f13a45", "2576f7d72289", "9e36e8e9b571", "23146d5ff34a",
+    "8f24ffc6ee51", "b858cfaada39", "32f915f36c77",  # 0.24.0 ... 0.33.0, one per release
+    "3dbfac60910b",  # 0.34.0
+})}
 
 # the call sites import ddtree_patcher.runtime.ddtree in vLLM's interpreter
 _runtime = runtime_check("ddtree_patcher.runtime.ddtree", "DDTREE_ABI", "ddtree",
-                         (SPEC_PY, DFLASH_V1_PY, DFLASH_V2_PY), rb"ddtree_abi=(\d+)\)")
+                         (SPEC_PY, DFLASH_V1_PY, DFLASH_V2_PY, SCHED_PY), rb"ddtree_abi=(\d+)\)")
 
 
 PATCH = Patch(
@@ -297,5 +344,6 @@ PATCH = Patch(
                   variants=(Variant("v2-0.24", ON_024 + ON_034, (V2_BIND_SITE, V2_TREE_SITE), SHAPES_V2_DFLASH),)),
         PatchFile(path=RUNNER_V2_PY, optional=True,
                   variants=(Variant("v2-runner-0.24", ON_024 + ON_020 + ON_034, (V2_TOKENS_SITE,), SHAPES_V2_RUNNER),)),
+        PatchFile(path=SCHED_PY, variants=(Variant("sched-0.24", ON_024 + ON_034, (SCHED_SITE,), SHAPES_SCHED),)),
     ),
 )

@@ -19,12 +19,14 @@ therefore already sits where vLLM's chain bookkeeping expects it, and the tree s
 compaction moves only the nodes after the first accepted non-top-1 node.
 
 **``DDTREE_PATCH_BUDGET=auto``** (or ``auto:N``; issue 35.2, docs/notebook/budget-auto-study.md): vLLM is
-sized for N as above, and each drafting step hands vLLM only the first b nodes of every tree (node
-order: a subtree; b <= s: the spine, DFlash's chain), b picked on the host by
-``runtime.budget_policy`` among :func:`auto_candidates` from the step times between picks and the
-accounting's prefix-budget counts (:meth:`DDTreeDrafter.next_budget`). The draft width is the next
-step's count only on the V1 runner under sync scheduling; elsewhere :func:`refuse_auto` stops the
-engine at the drafter's bind, by name.
+sized for N as above, and every step vLLM's scheduler sets the next step's draft count b
+(``num_spec_tokens_to_schedule``) from :meth:`DDTreeDrafter.scheduled_budget` (the scheduler's budget
+site, ``runtime.budget_site``): ``runtime.budget_policy`` picks b among :func:`auto_candidates` from the
+step times between picks and the accounting's prefix-budget counts (:meth:`DDTreeDrafter.next_budget`).
+The runner asks the drafter for b tokens (V1: :meth:`DDTreeDrafter.steps_for`; V2 from 0.32.0: the
+runner keeps the first b), which are the first b nodes of every tree (node order: a subtree; b <= s:
+the spine, DFlash's chain). Where the runner drafts a fixed count :func:`refuse_auto` stops the engine
+at the drafter's bind, by name.
 
 **Per request**: a request the tree walk can verify (``VerifyStep.tree_ok``) gets its tree; any
 other request gets a chain (node j's parent is j - 1) made of DFlash's own per-position argmax
@@ -57,6 +59,7 @@ from .ddtree_config import (  # noqa: F401 - the start-up checks: the call sites
     AUTO_BUDGETS, DDTreeABIError, auto_candidates, check_abi, config_record, configure, enabled, mode_line,
     refuse_auto, refuse_v1_budget, refuse_without_tree_target_step, v1_max_budget,
 )
+from .budget_site import register_drafter
 from .switches import (  # noqa: F401  (DEFAULT_BUDGET, MAX_BUDGET: this module's public names)
     DEFAULT_BUDGET, ENV_AUTO_CYCLE, ENV_BUDGET, ENV_CHAIN, ENV_ENABLE, MAX_BUDGET, DDTreeConfigError, auto_cycle,
     budget_auto, budget_from_env, switch,
@@ -173,8 +176,10 @@ class DDTreeDrafter:
         self.cycle = auto_cycle() if self.auto else None
         self.budget_steps: dict[int, int] = {}  # budget -> drafting steps that handed it to vLLM
         self._cycle_i = 0
-        self._last_pick = None  # (budget, B, host time) of the previous pick: the step time it took
+        self._picks: list = []  # (budget, B, host time) of the last two picks: the step time each took
         self._seen = None  # the accounting's prefix snapshot at the previous pick
+        self.k = self.budget  # auto: the draft tokens the runner asked for this step (the scheduler's pick)
+        self._step = None  # the runner's VerifyStep (its accounting feeds the policy), from the first draft
         if self.auto:
             from .budget_policy import BudgetPolicy
 
@@ -183,6 +188,7 @@ class DDTreeDrafter:
                 raise DDTreeConfigError(f"ddtree-patch: {ENV_AUTO_CYCLE} budgets must be at most N = {self.budget}, "
                                         f"got {self.cycle}")
             self.policy = BudgetPolicy(cands, chain=self.depth, max_budget=self.budget)
+        register_drafter(self)  # the scheduler's budget site finds its policy there
         logger.info("ddtree-patch: DDTree drafter bound (%s): budget %s%d, drafter depth %d (configured %d)%s",
                     kind, "auto, at most " if self.auto else "", self.budget, self.depth, self.drafter_depth,
                     f"; candidates {', '.join(map(str, self.policy.candidates))}" if self.policy else "")
@@ -250,6 +256,7 @@ class DDTreeDrafter:
             raise DDTreeConfigError("ddtree-patch: the runner has no tree channel")
         for rid in self._attached:  # trees of the previous step that no verify step consumed
             step.detach(rid)
+        self._step = step
         return step, step.tree_ok(list(req_ids))
 
     def _attach(self, step, req_ids, ok, parents) -> None:
@@ -263,12 +270,15 @@ class DDTreeDrafter:
 
     # ---- V1: SpecDecodeBaseProposer.propose ---------------------------------------------------
     def steps_for(self, num_speculative_tokens: int) -> int:
-        """0.24+ ``propose(num_speculative_tokens, ...)``: the runner's K must be the budget; the
-        drafter drafts L_eff positions."""
-        if num_speculative_tokens != self.budget:
+        """0.24+ ``propose(num_speculative_tokens, ...)``: the runner's K must be the budget (``auto``: the
+        scheduler's pick, at most the budget: the first K nodes are handed over); the drafter drafts
+        L_eff positions."""
+        k = int(num_speculative_tokens)
+        if k != self.budget and not (self.auto and 1 <= k <= self.budget):
             raise DDTreeConfigError(
                 f"ddtree-patch: the runner asked the drafter for {num_speculative_tokens} draft tokens "
                 f"per request, DDTree verifies exactly {self.budget} (its node budget)")
+        self.k = k
         return self.depth
 
     def propose_v1(self, drafter, sample_hidden_states):
@@ -280,10 +290,8 @@ class DDTreeDrafter:
         req_ids = list(runner.input_batch.req_ids[:B])
         step, ok = self._channel(runner, req_ids)
         tokens, parents = self.choose(ok, tokens, tree)  # the builder's tensors: new every step
-        if self.auto:  # the next step verifies the first b nodes (node order: a subtree; b <= s: the spine)
-            b = self.next_budget(step, B)
-            if b < self.budget:
-                tokens, parents = tokens[:, :b].contiguous(), parents[:, :b]
+        if self.k < self.budget:  # auto: the scheduler's pick b, the first b nodes (node order: a subtree;
+            tokens, parents = tokens[:, :self.k].contiguous(), parents[:, :self.k]  # b <= s: the spine)
         self._attach(step, req_ids, ok, parents)
         return tokens
 
@@ -295,35 +303,44 @@ class DDTreeDrafter:
         picks = ", ".join(f"{b}: {n - last.get(b, 0)}" for b, n in sorted(now.items()) if n > last.get(b, 0))
         return f"auto ({picks} steps)" if picks else "auto"
 
-    def next_budget(self, step, B: int) -> int:
+    def scheduled_budget(self, B: int) -> int:
+        """``auto``, the scheduler's pick (``runtime.budget_site``): the budget of the drafts the step being
+        scheduled produces. The interval since the previous pick is the previous step, which verified the
+        drafts of the pick before that (the same under sync and async scheduling, in steady state)."""
+        return self.next_budget(self._step, B, lag=2)
+
+    def next_budget(self, step, B: int, lag: int = 1) -> int:
         """``auto``: the budget of the step these drafts go to (host only). The policy is fed the step
-        time since the previous pick (under sync scheduling: the step that verified those drafts) and
-        the accounting's prefix-budget counts as the host sees them (CPU: now; CUDA: a landed copy)."""
+        time since the previous pick, as the cost of the budget picked ``lag`` picks ago (the one the
+        timed step verified), and the accounting's prefix-budget counts as the host sees them (CPU: now;
+        CUDA: a landed copy); ``step`` (the VerifyStep) None before the first draft: no acceptance yet."""
         import time
 
         now = time.perf_counter()
-        acc = step.accounting
-        if acc.prefix_budgets != self.policy.candidates:
-            acc.track(self.policy.candidates)
-            acc.budget_note = self.budget_note
-            self._seen = None
-        if self._last_pick is not None:
-            b0, B0, t0 = self._last_pick
-            if b0 in self.policy.candidates:  # (a diagnostic cycle may take other budgets)
-                self.policy.observe_cost(b0, B0, now - t0)
-        budgets, sums, reqs = acc.prefix_snapshot()
-        if self._seen is not None:
-            for b, s1, r1, s0, r0 in zip(budgets, sums, reqs, *self._seen):
-                if r1 > r0:
-                    self.policy.observe(b, r1 - r0, s1 - s0)
-        self._seen = (sums, reqs)
+        if self._picks:  # the interval since the last pick: the step scheduled then, of its batch size
+            _, B0, t0 = self._picks[-1]
+            timed = self._picks[-lag] if len(self._picks) >= lag else None
+            if timed is not None and timed[0] in self.policy.candidates:  # (a diagnostic cycle may take others)
+                self.policy.observe_cost(timed[0], B0, now - t0)
+        acc = getattr(step, "accounting", None)
+        if acc is not None:
+            if acc.prefix_budgets != self.policy.candidates:
+                acc.track(self.policy.candidates)
+                acc.budget_note = self.budget_note
+                self._seen = None
+            budgets, sums, reqs = acc.prefix_snapshot()
+            if self._seen is not None:
+                for b, s1, r1, s0, r0 in zip(budgets, sums, reqs, *self._seen):
+                    if r1 > r0:
+                        self.policy.observe(b, r1 - r0, s1 - s0)
+            self._seen = (sums, reqs)
         if self.cycle:
             b = self.cycle[self._cycle_i % len(self.cycle)]
             self._cycle_i += 1
             self.policy.decide(B)  # the policy still runs (its log), its pick is overridden
         else:
             b = self.policy.pick(B)
-        self._last_pick = (b, B, now)
+        self._picks = (self._picks + [(b, B, now)])[-2:]
         self.budget_steps[b] = self.budget_steps.get(b, 0) + 1
         return b
 

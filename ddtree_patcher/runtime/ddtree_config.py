@@ -28,7 +28,7 @@ import logging
 import os
 from typing import Any
 
-from .contract import CONFIG_ATTR, DDTREE_ABI, abi_mismatch
+from .contract import CONFIG_ATTR, DDTREE_ABI, abi_mismatch, mark
 from .switches import ENV_BUDGET, ENV_CHAIN, ENV_ENABLE, DDTreeConfigError, budget_auto, budget_from_env, switch
 from .tree_step_coverage import DDTreeNotReady
 
@@ -191,18 +191,52 @@ def auto_candidates(budget: int, depth: int) -> tuple[int, ...]:
     return tuple(sorted({depth, budget} | {b for b in AUTO_BUDGETS if depth < b <= budget}))
 
 
+# Where the budget of a step is decided (docs/notebook/budget-auto-study.md): vLLM's scheduler sets the
+# next step's draft count (``num_spec_tokens_to_schedule``, vLLM's dynamic-SD count: the async scheduler's
+# placeholders follow it); ddtree-proposer's scheduler site sets it from the policy (runtime.budget_site).
+# The runner must draft that many: the code that says so, per runner file.
+SCHEDULER_PY = "vllm/v1/core/sched/scheduler.py"
+SCHEDULER_SITE = "bind_scheduler("  # the scheduler call site's runtime call
+RUNNER_FOLLOWS = {"V1": ("vllm/v1/worker/gpu_model_runner.py", "num_speculative_tokens=num_spec_tokens_to_schedule"),
+                  "V2": ("vllm/v1/worker/gpu/model_runner.py", "num_speculative_tokens=num_spec_tokens,")}
+
+
+def _source(rel: str) -> str | None:
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    try:
+        return (Path(list(spec.submodule_search_locations)[0]).parent / rel).read_text(encoding="utf-8")
+    except OSError:
+        return None
+
+
 def refuse_auto(kind: str, vllm_config: Any) -> None:
-    """Where ``auto`` does not run yet, refuse it at start, by name: the budget of a step is the
-    width of the drafts the drafter hands vLLM, which is what the next step schedules only under sync
-    scheduling and on the V1 runner (docs/notebook/budget-auto-study.md: under async scheduling the
-    scheduler fixes the count one step ahead; V2 verifies the scheduler's count of its GPU drafts)."""
+    """Where ``auto`` cannot decide the budget of a step, refuse it at start, by name. It runs where vLLM's
+    scheduler carries ddtree-proposer's budget site (vLLM 0.24.0-0.34.0), the runner drafts the count the
+    scheduler asks for (V1 0.24.0-0.33.0; V2 from 0.32.0: 0.26.0-0.31.0's V2 runner drafts a fixed count),
+    and the scheduler shares its process with the drafter (one GPU: no tensor, pipeline or data parallelism),
+    under sync and async scheduling alike."""
     why = None
-    if kind != "V1":
-        why = f"the {kind} runner (its drafts stay on the GPU; the scheduler's count decides)"
-    elif getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False):
-        why = ("async scheduling (the scheduler fixes each step's draft count one step ahead; start vLLM "
-               "with async_scheduling=False / --no-async-scheduling)")
+    sched = _source(SCHEDULER_PY)
+    runner_py, follows = RUNNER_FOLLOWS.get(kind, (None, None))
+    runner = _source(runner_py) if runner_py else None
+    par = getattr(vllm_config, "parallel_config", None)
+    if sched is None or mark("ddtree-proposer") not in sched or SCHEDULER_SITE not in sched:
+        why = (f"a vLLM scheduler without ddtree-proposer's budget site ({SCHEDULER_PY}: `ddtree-patch verify`; it "
+               "applies to vLLM 0.24.0-0.34.0)")
+    elif runner is None or follows not in runner:
+        why = (f"this vLLM's {kind} runner ({runner_py}), which drafts a fixed count instead of the scheduler's "
+               "(the V1 runner of 0.24.0-0.33.0 and the V2 runner from 0.32.0 follow it)")
+    elif par is not None and max(int(getattr(par, "tensor_parallel_size", 1) or 1),
+                                 int(getattr(par, "pipeline_parallel_size", 1) or 1),
+                                 int(getattr(par, "data_parallel_size", 1) or 1)) > 1:
+        why = ("tensor, pipeline or data parallelism (the policy runs in the scheduler's process, beside the "
+               "drafter: one GPU)")
     if why is not None:
         raise DDTreeConfigError(
-            f"ddtree-patch: {ENV_BUDGET}=auto is refused with {why}: auto runs on the V1 runner with sync "
-            f"scheduling so far (docs/notebook/budget-auto-study.md). Pin a budget ({ENV_BUDGET}=31)")
+            f"ddtree-patch: {ENV_BUDGET}=auto is refused with {why} (docs/notebook/budget-auto-study.md). Pin a "
+            f"budget ({ENV_BUDGET}=31)")

