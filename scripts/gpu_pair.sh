@@ -8,7 +8,7 @@
 #            TRAIN_MINUTES (default 6.5: the script's own wall cap), SEED (0), TRAIN_ARGS (more flags).
 #   measure  the bundle staged beforehand (gpu_tree_e2e.sh stage1 for every part: /tmp/vb; or the
 #            parts carried in .bundle/0*), unpacked to /tmp/site once, the whole patch series applied
-#            once, then the engines (ENGINES, default nospec,chain,dd15,dd31,dd63) within
+#            once, then the engines (ENGINES, default nospec,chain,dd15,dd31,dd63,ddauto) within
 #            MEASURE_BUDGET s (default 480). A second call on the same machine keeps the engines
 #            already finished (their results in /tmp/pair_logs) and runs the rest; RERUN=1 reruns all.
 #            N_PROMPTS (64), N_B1 (prompts at B = 1, 16), MAX_TOKENS (128), BATCHES (1,8,32),
@@ -102,7 +102,7 @@ measure() {
   [ -n "$COMPILE" ] || unset COMPILE
   left=$(( ${MEASURE_BUDGET:-480} - ($(date +%s) - tm) ))  # MEASURE_BUDGET counts install and apply too
   python3 "$REPO/benchmarks/pair/measure.py" --pair "$PAIR" --record "$O/pair_record.json" --full "$O/pair_full.json" \
-    --logs "$L" --engines "${ENGINES:-nospec,chain,dd15,dd31,dd63}" --batches "${BATCHES:-1,8,32}" \
+    --logs "$L" --engines "${ENGINES:-nospec,chain,dd15,dd31,dd63,ddauto}" --batches "${BATCHES:-1,8,32}" \
     --temp1-batches "${TEMP1_BATCHES-32}" --n-prompts "${N_PROMPTS:-64}" --n-b1 "${N_B1:-16}" \
     --max-tokens "${MAX_TOKENS:-128}" --cg-mode "${CG_MODE:-FULL_DECODE_ONLY}" --budget-s "$left" \
     ${COMMIT:+--commit "$COMMIT"} $([ "${EAGER:-0}" = 1 ] && echo --eager) $([ "${RERUN:-0}" = 1 ] && echo --rerun)

@@ -100,6 +100,12 @@ ENGINES=("nospec        SPEC=0 EAGER=1 LOGPROBS=2"
          # the same pair in bfloat16 (its own no-spec engine): the allowed mode's mixed proof in the other dtype
          "nospec-mix-v2-bf   $V2 SPEC=0 EAGER=1 LOGPROBS=2 DTYPE=bfloat16 ROOT=@ROOT_BF@ $MIX"
          "dd-mix-v2-fdonc-bf $V2 SPEC=1 EAGER=0 CG_MODE=FULL_DECODE_ONLY LLM_KW={\"compilation_config\":{\"mode\":0}} DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1 DTYPE=bfloat16 ROOT=@ROOT_BF@ $MIX"
+         # DDTREE_PATCH_BUDGET=auto (issue 35.2) in the allowed mode, mixed: the diagnostic cycle (the budget
+         # changes every step, mid-request: FULL decode graphs of several widths) and the policy itself; the
+         # accounting's record of each walk's widths in $L (@L@; host copies: no SYNC_DEBUG), the policy with
+         # SYNC_DEBUG and its periodic log line
+         "dd-mix-v2-fdonc-auto  $V2 SPEC=1 EAGER=0 CG_MODE=FULL_DECODE_ONLY LLM_KW={\"compilation_config\":{\"mode\":0}} DDTREE_PATCH_ENABLE=1 DDTREE_PATCH_BUDGET=auto:8 DDTREE_PATCH_AUTO_CYCLE=8,3,5,1,8,2,6 DDTREE_ACCOUNTING_RECORD=@L@/dd-mix-v2-fdonc-auto.widths $MIX"
+         "dd-mix-v2-fdonc-autop $V2 SPEC=1 EAGER=0 CG_MODE=FULL_DECODE_ONLY LLM_KW={\"compilation_config\":{\"mode\":0}} DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1 DDTREE_PATCH_BUDGET=auto:8 VLLM_LOG_STATS_INTERVAL=0.5 $MIX"
          # DIAG=1 (diag_fa.py): every FA layer call of a tree step checked against the dense references
          # (host syncs: diagnosis only): eager, compiled (no graphs / FULL decode / default FULL_AND_PIECEWISE),
          # PIECEWISE without torch.compile
@@ -135,6 +141,7 @@ stage2)
   run_engine() {  # TAG ENV...: one engine process, its log in $L/TAG.log
     local tag=$1; shift
     set -- "${@//@ROOT_BF@/$ROOT_BF}"
+    set -- "${@//@L@/$L}"
     ( unset DDTREE_PATCH_ENABLE CONTROL CG_MODE LOGPROBS SYNC_DEBUG LLM_KW DIAG DIAG_ALLOW_PW034 VLLM_USE_BREAKABLE_CUDAGRAPH VLLM_USE_LAYERNAME; export VLLM_USE_V2_MODEL_RUNNER=0 TAG=$tag "$@"
       timeout "$left" python3 "$REPO/tests/patches/ddtree_tree_step/run_tree_engine.py" > "$L/$tag.log" 2>&1 )
     echo "$tag rc=$?"; grep -E "ddtree-patch: (tree|DDTree)|Error|error" "$L/$tag.log" | cut -c1-300 | head -6

@@ -40,6 +40,8 @@ ENGINES = {
     "dd15": {"SPEC": "1", "DDTREE_PATCH_ENABLE": "1", "DDTREE_PATCH_BUDGET": "15"},
     "dd31": {"SPEC": "1", "DDTREE_PATCH_ENABLE": "1", "DDTREE_PATCH_BUDGET": "31"},
     "dd63": {"SPEC": "1", "DDTREE_PATCH_ENABLE": "1", "DDTREE_PATCH_BUDGET": "63"},
+    # issue 35.2: the budget of each step picked among the spine (the chain), 31 and 63 by the policy
+    "ddauto": {"SPEC": "1", "DDTREE_PATCH_ENABLE": "1", "DDTREE_PATCH_BUDGET": "auto:63"},
 }
 TIE = 0.5  # nats: a divergence where no-spec's top-2 margin is below this is a near-tie
 
@@ -151,7 +153,7 @@ def main(argv=None) -> dict:
     p.add_argument("--record", required=True)
     p.add_argument("--full")
     p.add_argument("--logs")
-    p.add_argument("--engines", default="nospec,chain,dd15,dd31,dd63")
+    p.add_argument("--engines", default="nospec,chain,dd15,dd31,dd63,ddauto")
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--temp1-batches", default=None, help="default: the largest of --batches; '' for none")
     p.add_argument("--n-prompts", type=int, default=64)

@@ -66,6 +66,16 @@ def _accounting() -> dict | None:
     return tot
 
 
+def _policy() -> list | None:
+    """DDTREE_PATCH_BUDGET=auto: each live drafter's policy summary (picks, switches, acceptance per budget)."""
+    try:
+        from ddtree_patcher.runtime.budget_site import live_drafters
+    except ImportError:
+        return None
+    out = [d.policy.summary() for d in live_drafters() if getattr(d, "policy", None) is not None]
+    return out or None
+
+
 def _delta(after: dict, before: dict) -> dict:
     out = {}
     for k, v in after.items():
@@ -98,14 +108,16 @@ def main() -> None:
     spec = os.environ.get("SPEC") == "1"
     ddtree = spec and os.environ.get("DDTREE_PATCH_ENABLE") == "1"
     depth = int(os.environ.get("DEPTH", "15"))
-    budget = int(os.environ.get("DDTREE_PATCH_BUDGET", "0") or 0)
+    raw = (os.environ.get("DDTREE_PATCH_BUDGET", "0") or "0").strip()
+    auto = raw.startswith("auto")  # auto:N (issue 35.2): each step's budget picked among the spine, 15/31/63 <= N, N
+    budget = int(raw.split(":", 1)[1]) if auto else int(raw)
     batches = [int(x) for x in os.environ.get("BATCHES", "1,8,32").split(",") if x]
     t1b = os.environ.get("TEMP1_BATCHES")
     temp1 = [int(x) for x in (str(max(batches)) if t1b is None else t1b).split(",") if x]
     n_prompts, n_b1 = int(os.environ.get("N_PROMPTS", "64")), int(os.environ.get("N_B1", "16"))
     max_tokens = int(os.environ.get("MAX_TOKENS", "128"))
     res = {"tag": os.environ.get("TAG", ""), "spec": "ddtree" if ddtree else "chain" if spec else "none",
-           "depth": depth if spec else 0, "budget": budget if ddtree else None, "passes": []}
+           "depth": depth if spec else 0, "budget": (raw if auto else budget) if ddtree else None, "passes": []}
     step = "import"
     try:
         import torch
@@ -128,12 +140,15 @@ def main() -> None:
         if cuda:
             kw["gpu_memory_utilization"] = float(os.environ.get("GPU_MEM", "0.3"))
         rows = 1 + (budget if ddtree else depth if spec else 0)
+        # the rows per request a step may take: under auto each candidate budget's (a FULL graph for each)
+        widths = sorted({depth, budget} | {b for b in (15, 31, 63) if depth < b <= budget}) if ddtree and auto \
+            else [rows - 1]
         if not eager:
             cc = {"cudagraph_mode": os.environ.get("CG_MODE", "FULL_DECODE_ONLY")}
             sizes = os.environ.get("CG_SIZES")
             if sizes is None:
                 bs = sorted({b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64) if b < max(batches)} | {max(batches)})
-                cc["cudagraph_capture_sizes"] = [b * rows for b in bs]
+                cc["cudagraph_capture_sizes"] = sorted({b * (1 + w) for b in bs for w in widths})
             elif sizes:
                 cc["cudagraph_capture_sizes"] = [int(x) for x in sizes.split(",")]
             if os.environ.get("COMPILE"):
@@ -190,6 +205,9 @@ def main() -> None:
             p = {"temperature": temp, "B": B, "requests": len(prompts), "seconds": round(secs, 3),
                  "output_tokens": n, "tok_per_s": round(n / secs, 1), "spec": _spec_summary(d, acc) if spec else None,
                  "tokens": toks}
+            pol = _policy()
+            if pol:  # cumulative over the engine's passes so far
+                p["policy"] = pol
             res["passes"].append(p)
             sd = p["spec"] or {}
             print(f"PASS {res['tag']} T={temp} B={B}: {n} tokens in {secs:.2f} s = {n / secs:.1f} tok/s, "
