@@ -83,6 +83,11 @@ install_site() {  # the bundle's parts from /tmp/vb (staged by stage1 calls) or 
 
 measure() {
   local tm=$(date +%s)
+  # install and apply first: they need no GPU, so they overlap a train-bg run still training
+  ph install
+  install_site
+  ph apply
+  bundle_apply_series
   if [ -f /tmp/pair_train.log ]; then  # a train-bg run: wait for its end (at most TRAIN_WAIT_S, default 420 s; MEASURE_BUDGET counts the wait)
     local w=0; while [ ! -f /tmp/pair_train.done ] && [ ! -f /tmp/pair_train.rc ] && [ $w -lt "${TRAIN_WAIT_S:-420}" ]; do
       sleep 5; w=$((w + 5)); done
@@ -92,10 +97,6 @@ measure() {
     cp -f /tmp/pair_train.log "$O/train.log"; cp -f "$PAIR/train_report.json" "$O/" 2>/dev/null
   fi
   [ -f "$PAIR/dflash/model.safetensors" ] || { echo "no trained pair in $PAIR: run the train stage first"; exit 7; }
-  ph install
-  install_site
-  ph apply
-  bundle_apply_series
   grep -E "^(PATCH|[a-z-]+ +(applied|upstream|not-applicable|pending))" "$O/apply.log" 2>/dev/null | cut -c1-60
   ph engines
   export COMPILE=${COMPILE-0} GPU_MEM=${GPU_MEM:-0.3}
