@@ -23,8 +23,10 @@
 # docs/runs record), pair_full.json (with tokens), pair_logs.tgz (one log per engine), apply.log,
 # install.log.
 #
-# On vLLM 0.34.0 (V2 runner only): the runtime refuses PIECEWISE CUDA graphs with DDTree, so every
-# engine runs FULL_DECODE_ONLY (the same mode for all: a fair comparison).
+# With CUDA graphs, measure on the 0.26.0 bundle (two parts; VLLM_USE_V2_MODEL_RUNNER=0 for the ddauto
+# engine: auto needs a runner that drafts the scheduler's count, V1 there). On vLLM 0.34.0 (V2 only) the
+# runtime refuses torch.compile and every CUDA graph mode with DDTree (docs/notebook/fa034-compiled-mixed.md):
+# EAGER=1 there, every engine eager (the same mode for all: a fair comparison, not vLLM's fastest).
 #   run(carry=[".bundle/01", ".whl"], command="bash scripts/gpu_tree_e2e.sh stage1")
 #   run(carry=[".bundle/02"],         command="bash scripts/gpu_tree_e2e.sh stage1")
 #   run(carry=[".bundle/03"],         command="bash scripts/gpu_tree_e2e.sh stage1")

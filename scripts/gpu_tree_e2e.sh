@@ -80,32 +80,34 @@ ENGINES=("nospec        SPEC=0 EAGER=1 LOGPROBS=2"
          "sd2              SPEC=1 EAGER=0 CG_MODE=FULL_AND_PIECEWISE DDTREE_PATCH_ENABLE=1 $SEEDED N_PROMPTS=2"
          "sd1-v2           $V2 SPEC=1 EAGER=0 CG_MODE=FULL_AND_PIECEWISE DDTREE_PATCH_ENABLE=1 $SEEDED N_PROMPTS=1"
          "sd2-v2           $V2 SPEC=1 EAGER=0 CG_MODE=FULL_AND_PIECEWISE DDTREE_PATCH_ENABLE=1 $SEEDED N_PROMPTS=2"
-         # vLLM 0.34.0, mixed batches: FULL decode graphs without torch.compile (fdonc: the mode the runtime
-         # allows there beside eager, against the eager no-spec engine), and the diagnosis of the compiled
-         # divergences (DIAG_ALLOW_PW034: the runtime's refusal of torch.compile and PIECEWISE graphs lifted),
+         # vLLM 0.34.0, mixed batches: FULL decode graphs without torch.compile (fdonc, against the eager no-spec
+         # engine: 7/12 on 2026-12-07, so the runtime allows only eager there now), and the diagnosis of the
+         # divergences (DIAG_ALLOW_PW034: the runtime's refusal of torch.compile and CUDA graphs lifted),
          # each against nospec-mix-v2-pw: FULL decode graphs with torch.compile (fdo), compiled without graphs
          # (cg0); PIECEWISE through breakable CUDA graphs without torch.compile (bnc) and with it (brk);
          # LayerName opaque types off (ln0)
          "dd-mix-v2-fdo    $V2 SPEC=1 EAGER=0 CG_MODE=FULL_DECODE_ONLY DIAG_ALLOW_PW034=1 DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1 $MIX"
-         "dd-mix-v2-fdonc  $V2 SPEC=1 EAGER=0 CG_MODE=FULL_DECODE_ONLY LLM_KW={\"compilation_config\":{\"mode\":0}} DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1 $MIX"
+         "dd-mix-v2-fdonc  $V2 SPEC=1 EAGER=0 CG_MODE=FULL_DECODE_ONLY LLM_KW={\"compilation_config\":{\"mode\":0}} DIAG_ALLOW_PW034=1 DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1 $MIX"
          "dd-mix-v2-cg0    $V2 SPEC=1 EAGER=0 CG_MODE=NONE DIAG_ALLOW_PW034=1 DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1 $MIX"
          "dd-mix-v2-pw-bnc $V2 SPEC=1 EAGER=0 CG_MODE=PIECEWISE DIAG_ALLOW_PW034=1 VLLM_USE_BREAKABLE_CUDAGRAPH=1 LLM_KW={\"compilation_config\":{\"mode\":0}} DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1 $MIX"
          "dd-mix-v2-pw-brk $V2 SPEC=1 EAGER=0 CG_MODE=PIECEWISE DIAG_ALLOW_PW034=1 VLLM_USE_BREAKABLE_CUDAGRAPH=1 DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1 $MIX"
          "dd-mix-v2-pw-ln0 $V2 SPEC=1 EAGER=0 CG_MODE=PIECEWISE DIAG_ALLOW_PW034=1 VLLM_USE_LAYERNAME=0 DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1 $MIX"
-         # the allowed mode of 0.34.0 (no torch.compile, FULL decode graphs) on the basic and sampled scenarios,
+         # 0.34.0 with FULL decode graphs and no torch.compile (refused by the runtime since 2026-12-07: its mixed run
+         # diverged; DIAG_ALLOW_PW034 lifts the refusal for diagnosis) on the basic and sampled scenarios,
          # and vLLM's own DFlash chain compiled under PIECEWISE graphs (is the compiled chain identical?)
-         "dd-v2-fdonc      $V2 SPEC=1 EAGER=0 CG_MODE=FULL_DECODE_ONLY LLM_KW={\"compilation_config\":{\"mode\":0}} DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1"
-         "s-dd-v2-fdonc    $V2 SPEC=1 EAGER=0 CG_MODE=FULL_DECODE_ONLY LLM_KW={\"compilation_config\":{\"mode\":0}} SEED_BASE=1000000 DDTREE_PATCH_ENABLE=1 $SAMPLED"
+         "dd-v2-fdonc      $V2 SPEC=1 EAGER=0 CG_MODE=FULL_DECODE_ONLY LLM_KW={\"compilation_config\":{\"mode\":0}} DIAG_ALLOW_PW034=1 DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1"
+         "s-dd-v2-fdonc    $V2 SPEC=1 EAGER=0 CG_MODE=FULL_DECODE_ONLY LLM_KW={\"compilation_config\":{\"mode\":0}} DIAG_ALLOW_PW034=1 SEED_BASE=1000000 DDTREE_PATCH_ENABLE=1 $SAMPLED"
          "chain-mix-v2-pw  $V2 SPEC=1 EAGER=0 CG_MODE=PIECEWISE $MIX"
          # the same pair in bfloat16 (its own no-spec engine): the allowed mode's mixed proof in the other dtype
          "nospec-mix-v2-bf   $V2 SPEC=0 EAGER=1 LOGPROBS=2 DTYPE=bfloat16 ROOT=@ROOT_BF@ $MIX"
-         "dd-mix-v2-fdonc-bf $V2 SPEC=1 EAGER=0 CG_MODE=FULL_DECODE_ONLY LLM_KW={\"compilation_config\":{\"mode\":0}} DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1 DTYPE=bfloat16 ROOT=@ROOT_BF@ $MIX"
+         "dd-mix-v2-bf       $V2 SPEC=1 EAGER=1 DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1 DTYPE=bfloat16 ROOT=@ROOT_BF@ $MIX"
+         "dd-mix-v2-fdonc-bf $V2 SPEC=1 EAGER=0 CG_MODE=FULL_DECODE_ONLY LLM_KW={\"compilation_config\":{\"mode\":0}} DIAG_ALLOW_PW034=1 DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1 DTYPE=bfloat16 ROOT=@ROOT_BF@ $MIX"
          # DDTREE_PATCH_BUDGET=auto (issue 35.2) in the allowed mode, mixed: the diagnostic cycle (the budget
          # changes every step, mid-request: FULL decode graphs of several widths) and the policy itself; the
          # accounting's record of each walk's widths in $L (@L@; host copies: no SYNC_DEBUG), the policy with
          # SYNC_DEBUG and its periodic log line
-         "dd-mix-v2-fdonc-auto  $V2 SPEC=1 EAGER=0 CG_MODE=FULL_DECODE_ONLY LLM_KW={\"compilation_config\":{\"mode\":0}} DDTREE_PATCH_ENABLE=1 DDTREE_PATCH_BUDGET=auto:8 DDTREE_PATCH_AUTO_CYCLE=8,3,5,1,8,2,6 DDTREE_ACCOUNTING_RECORD=@L@/dd-mix-v2-fdonc-auto.widths $MIX"
-         "dd-mix-v2-fdonc-autop $V2 SPEC=1 EAGER=0 CG_MODE=FULL_DECODE_ONLY LLM_KW={\"compilation_config\":{\"mode\":0}} DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1 DDTREE_PATCH_BUDGET=auto:8 VLLM_LOG_STATS_INTERVAL=0.5 $MIX"
+         "dd-mix-v2-fdonc-auto  $V2 SPEC=1 EAGER=0 CG_MODE=FULL_DECODE_ONLY LLM_KW={\"compilation_config\":{\"mode\":0}} DIAG_ALLOW_PW034=1 DDTREE_PATCH_ENABLE=1 DDTREE_PATCH_BUDGET=auto:8 DDTREE_PATCH_AUTO_CYCLE=8,3,5,1,8,2,6 DDTREE_ACCOUNTING_RECORD=@L@/dd-mix-v2-fdonc-auto.widths $MIX"
+         "dd-mix-v2-fdonc-autop $V2 SPEC=1 EAGER=0 CG_MODE=FULL_DECODE_ONLY LLM_KW={\"compilation_config\":{\"mode\":0}} DIAG_ALLOW_PW034=1 DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1 DDTREE_PATCH_BUDGET=auto:8 VLLM_LOG_STATS_INTERVAL=0.5 $MIX"
          # DIAG=1 (diag_fa.py): every FA layer call of a tree step checked against the dense references
          # (host syncs: diagnosis only): eager, compiled (no graphs / FULL decode / default FULL_AND_PIECEWISE),
          # PIECEWISE without torch.compile

@@ -251,8 +251,8 @@ def _run_compiled(run: tuple) -> bool:
 
 def _refused_mode(run: tuple) -> bool:
     """Whether the runtime refuses the run's mode on 0.34.0's FlashAttention forward shape
-    (``tree_step.refuse_compiled_fa034``): torch.compile, or PIECEWISE graphs."""
-    return _run_compiled(run) or run[3] in ("PIECEWISE", "FULL_AND_PIECEWISE")
+    (``tree_step.refuse_compiled_fa034``): torch.compile, or any CUDA graph mode (enforce_eager only)."""
+    return _run_compiled(run) or run[3] not in ("eager", "NONE")
 
 
 def _mode(run: tuple) -> str:
@@ -268,7 +268,7 @@ def _gpu_cell(runs: list, refuses_compiled: bool = False) -> str | None:
     good = [r for r in runs if r[2]]
     tail = ""
     if off:
-        tail = ("; in modes the runtime refuses on this FlashAttention forward (torch.compile, PIECEWISE graphs): "
+        tail = ("; in modes the runtime refuses on this FlashAttention forward (torch.compile, CUDA graphs): "
                 + ", ".join(sorted({f"{r[4]} ({_mode(r)}, {'identical' if r[2] else 'not identical'}, {_link(r[1])})"
                                     for r in off})))
     if not good:

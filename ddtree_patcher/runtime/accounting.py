@@ -176,7 +176,8 @@ class Accounting:
 
         self.prefix_budgets = tuple(sorted({int(b) for b in budgets}))
         n = len(self.prefix_budgets)
-        self._prefix_b = torch.tensor(self.prefix_budgets, dtype=torch.int32, device=self.device)
+        b = torch.tensor(self.prefix_budgets, dtype=torch.int32)  # host; on CUDA a pinned, non-blocking upload:
+        self._prefix_b = b.pin_memory().to(self.device, non_blocking=True) if self._cuda else b  # no host sync
         self.prefix_sums = torch.zeros(n, dtype=torch.int64, device=self.device)
         self.prefix_requests = [0] * n  # host: walked requests of the steps each budget counted in
         self._prefix_snap = ([0] * n, [0] * n)

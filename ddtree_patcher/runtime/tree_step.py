@@ -71,7 +71,7 @@ from .tree_attention_step import FAStep, TreeAttention, cpu_kv_views  # noqa: F4
 from .tree_compaction import AcceptedPath, moved_depths  # noqa: F401
 from .tree_plan import TreePlan, pack_rows, plan_rows  # noqa: F401
 from .tree_step_coverage import (  # noqa: F401 - re-exported: the names verify, the call sites and the tests use
-    ATTN_FILES, ATTR, COMPILED_034_NOTE, COVERED_IMPLS, CPU_ATTN_PY, FA034_CALL, FLASH_ATTN_PY, MARK,
+    ATTN_FILES, ATTR, COMPILED_034_NOTE, COVERED_IMPLS, FDONC_034_RECORD, CPU_ATTN_PY, FA034_CALL, FLASH_ATTN_PY, MARK,
     PIECEWISE_034_RECORD, RUNNER_PY, RUNNER_V2_PY, STREAM_MAX_REQS, TREE_STEP_ABI, V2_PREP_CALL, DDTreeNotReady,
     TreeStepABIError, check_abi, check_v2_runner, forward_has_site, full_decode_graphs, has_site, impl_refusal,
     not_installed_reason, not_ready, refuse_compiled_fa034, refuse_full_cuda_graphs, refuse_uncovered_config,

@@ -185,6 +185,7 @@ def full_decode_graphs(compilation_config) -> bool:
 FA034_CALL = "_FA4_DENSE_ATTENTION_KERNEL("  # vLLM 0.30.0-0.34.0's FlashAttention forwards call FA through it
 PIECEWISE_034_RECORD = "docs/runs/h100-ddtree-v2-0.34.0-2026-12-05.json"
 COMPILED_034_NOTE = "docs/notebook/fa034-compiled-mixed.md"
+FDONC_034_RECORD = "docs/runs/h100-ddtree-v2-0.34.0-2026-12-07.json"
 
 
 def _compilation_mode(compilation_config):
@@ -205,17 +206,15 @@ def _compiled(compilation_config) -> bool:
 
 def refuse_compiled_fa034(graph_config, compilation_config, impl) -> str | None:
     """vLLM 0.34.0's FlashAttention forward shape (``_FA4_DENSE_ATTENTION_KERNEL``: the tree step's
-    ``fa-0.34`` and ``fa-0.30`` sites) under torch.compile or a CUDA graph mode that runs PIECEWISE
-    graphs (PIECEWISE; FULL_AND_PIECEWISE, whose mixed batches run them): mixed batches diverged from
-    no speculation on GPUs (H100, PIECEWISE: 7/12, margins up to 1.0 nats; H200, FULL_DECODE_ONLY with
-    torch.compile: the same five requests), while eager mixed batches and uncompiled FULL decode graphs
-    did not; cause not found yet (docs/notebook/fa034-compiled-mixed.md). The reason, or None (other
-    forwards; compilation mode NONE with CUDA graph mode NONE or FULL_DECODE_ONLY)."""
+    ``fa-0.34`` and ``fa-0.30`` sites) under torch.compile or any CUDA graph mode: mixed batches diverged
+    from no speculation on GPUs (H100, PIECEWISE: 7/12, margins up to 1.0 nats; H200, FULL_DECODE_ONLY
+    with torch.compile: the same five requests; H100, FULL_DECODE_ONLY without torch.compile: 7/12, four of
+    the five), while eager mixed batches did not; cause not found yet (docs/notebook/fa034-compiled-mixed.md).
+    The reason, or None (other forwards; compilation mode NONE with CUDA graph mode NONE: enforce_eager)."""
     mode = getattr(graph_config, "cudagraph_mode", None)
-    piecewise = getattr(mode, "has_piecewise_cudagraphs", None)
-    piecewise = bool(callable(piecewise) and piecewise())
+    graphs = mode is not None and getattr(mode, "name", str(mode)) != "NONE"
     compiled = _compiled(compilation_config)
-    if not (piecewise or compiled):
+    if not (graphs or compiled):
         return None
     import inspect
 
@@ -226,13 +225,12 @@ def refuse_compiled_fa034(graph_config, compilation_config, impl) -> str | None:
     if FA034_CALL not in src:
         return None
     cmode = _compilation_mode(compilation_config)
-    what = (f"CUDA graph mode {getattr(mode, 'name', mode)} (PIECEWISE graphs)" if piecewise else
+    what = (f"CUDA graph mode {getattr(mode, 'name', mode)}" if graphs else
             f"torch.compile (compilation mode {getattr(cmode, 'name', None) or cmode})")
-    return (f"{what} on this vLLM's FlashAttention forward (vLLM 0.34.0's shape): mixed batches of "
-            "compiled steps diverged from no speculation in the tree step's GPU proofs (PIECEWISE graphs: "
-            f"{PIECEWISE_034_RECORD}; FULL_DECODE_ONLY with torch.compile: {COMPILED_034_NOTE}); eager mixed "
-            "batches did not. Start vLLM with enforce_eager=True, or with compilation_config="
-            "{'mode': 0, 'cudagraph_mode': 'FULL_DECODE_ONLY'} (no torch.compile, FULL decode graphs)")
+    return (f"{what} on this vLLM's FlashAttention forward (vLLM 0.34.0's shape): mixed batches diverged from "
+            "no speculation in the tree step's GPU proofs with CUDA graphs or torch.compile (PIECEWISE graphs: "
+            f"{PIECEWISE_034_RECORD}; FULL_DECODE_ONLY without torch.compile: {FDONC_034_RECORD}; with it: "
+            f"{COMPILED_034_NOTE}); eager mixed batches did not. Start vLLM with enforce_eager=True")
 
 
 def forward_has_site(impl) -> bool:

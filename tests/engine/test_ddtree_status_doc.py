@@ -130,21 +130,23 @@ def test_reference_and_notebook_links_resolve():
 
 def test_gpu_runs_in_modes_refused_on_0_34_0s_fa_forward_prove_nothing():
     """On a release whose FlashAttention forward is 0.34.0's shape the runtime refuses torch.compile and
-    PIECEWISE graphs (tree_step.refuse_compiled_fa034): an identical engine in such a mode is named after the
-    cell, never "proven"; an uncompiled FULL_DECODE_ONLY or eager engine proves the cell."""
+    every CUDA graph mode (tree_step.refuse_compiled_fa034): an identical engine in such a mode is named after
+    the cell, never "proven"; an eager engine proves the cell."""
     v = "0.30.0"
     rec = "h200-x-2030-01-03.json"
     gpu = {(v, "V2"): [("2030-01-03", rec, True, "FULL_AND_PIECEWISE", "dd-v2-fg", True),
                        ("2030-01-03", rec, True, "FULL_DECODE_ONLY", "dd-mix-v2-fdo", True),
+                       ("2030-01-03", rec, True, "FULL_DECODE_ONLY", "dd-mix-v2-fdonc", False),
                        ("2030-01-03", rec, False, "eager", "dd-mix-v2", False)]}
     table = gen.render(_everywhere(fa034=(v,)), {}, {}, gpu, {})
     cell = _row(table, v)[3]
     assert cell.startswith("applies, not proven; not identical: dd-mix-v2 (eager"), cell
     assert "refuses on this FlashAttention forward" in cell and "dd-v2-fg (FULL_AND_PIECEWISE, identical" in cell
     assert "dd-mix-v2-fdo (FULL_DECODE_ONLY, identical" in cell
-    gpu[(v, "V2")].append(("2030-01-03", rec, True, "FULL_DECODE_ONLY", "dd-mix-v2-fdonc", False))
+    assert "dd-mix-v2-fdonc (FULL_DECODE_ONLY without torch.compile, identical" in cell
+    gpu[(v, "V2")].append(("2030-01-03", rec, True, "eager", "dd-mix-v2-bf", False))
     cell = _row(gen.render(_everywhere(fa034=(v,)), {}, {}, gpu, {}), v)[3]
-    assert cell.startswith("**proven** 2030-01-03, FULL_DECODE_ONLY without torch.compile"), cell
+    assert cell.startswith("**proven** 2030-01-03, eager"), cell
     # another forward shape: the runtime refuses none of these modes, so the compiled engines prove the cell
     cell = _row(gen.render(_everywhere(), {}, {}, gpu, {}), v)[3]
     assert cell.startswith("**proven** 2030-01-03, FULL_AND_PIECEWISE/FULL_DECODE_ONLY/FULL_DECODE_ONLY without"), cell

@@ -385,20 +385,18 @@ def test_end_to_end_without_compaction_diverges(tmp_path, cli):
     assert ctl["tokens"] != nospec["tokens"]
 
 
-def test_compiled_and_piecewise_steps_are_refused_on_0_34_0s_flash_attention_forward():
+def test_graphs_and_compile_are_refused_on_0_34_0s_flash_attention_forward():
     """vLLM 0.34.0's FlashAttention forward (the fa-0.34 / fa-0.30 site) under torch.compile (compilation
-    mode != NONE) or with PIECEWISE graphs (PIECEWISE, FULL_AND_PIECEWISE) is refused: compiled mixed
-    batches diverged on GPUs (docs/runs/h100-ddtree-v2-0.34.0-2026-12-05.json,
-    docs/notebook/fa034-compiled-mixed.md). Compilation mode NONE (0; ``level`` on older configs) with
-    NONE or FULL_DECODE_ONLY is not refused, nor any other forward."""
+    mode != NONE) or any CUDA graph mode is refused: mixed batches diverged on GPUs with PIECEWISE graphs
+    (docs/runs/h100-ddtree-v2-0.34.0-2026-12-05.json), FULL_DECODE_ONLY with torch.compile and without it
+    (docs/runs/h100-ddtree-v2-0.34.0-2026-12-07.json; docs/notebook/fa034-compiled-mixed.md). Compilation
+    mode NONE (0; ``level`` on older configs) with CUDA graph mode NONE (enforce_eager) is not refused, nor
+    any other forward."""
     from types import SimpleNamespace
 
     class Mode:
-        def __init__(self, name, pw):
-            self.name, self._pw = name, pw
-
-        def has_piecewise_cudagraphs(self):
-            return self._pw
+        def __init__(self, name):
+            self.name = name
 
     class CMode(int):
         name = "VLLM_COMPILE"
@@ -412,19 +410,21 @@ def test_compiled_and_piecewise_steps_are_refused_on_0_34_0s_flash_attention_for
             flash_attn_varlen_func(causal=True)  # noqa: F821 - source only
 
     refuse = tree_step.refuse_compiled_fa034
-    for name, pw in (("PIECEWISE", True), ("FULL_AND_PIECEWISE", True), ("NONE", False), ("FULL_DECODE_ONLY", False)):
-        graphs = SimpleNamespace(cudagraph_mode=Mode(name, pw))
+    for name in ("PIECEWISE", "FULL_AND_PIECEWISE", "NONE", "FULL_DECODE_ONLY", "FULL", None):
+        graphs = SimpleNamespace(cudagraph_mode=None if name is None else Mode(name))
         for comp, compiled in ((SimpleNamespace(mode=0), False), (SimpleNamespace(level=0), False),
                                (SimpleNamespace(mode=CMode(3)), True), (SimpleNamespace(level=3), True),
                                (None, False)):
             why = refuse(graphs, comp, Impl034())
-            assert (why is not None) == (pw or compiled), (name, comp, why)
+            with_graphs = name not in ("NONE", None)
+            assert (why is not None) == (with_graphs or compiled), (name, comp, why)
             assert refuse(graphs, comp, Impl026()) is None
             if why:
-                assert "enforce_eager=True" in why and "'mode': 0" in why and "FULL_DECODE_ONLY" in why, why
-                assert ("PIECEWISE graphs" if pw else "torch.compile (compilation mode ") in why, why
-    assert "compilation mode VLLM_COMPILE)" in refuse(SimpleNamespace(cudagraph_mode=Mode("NONE", False)),
+                assert "enforce_eager=True" in why and tree_step.FDONC_034_RECORD in why, why
+                assert (f"CUDA graph mode {name}" if with_graphs else "torch.compile (compilation mode ") in why, why
+    assert "compilation mode VLLM_COMPILE)" in refuse(SimpleNamespace(cudagraph_mode=Mode("NONE")),
                                                        SimpleNamespace(mode=CMode(3)), Impl034())
     assert "compilation mode 3)" in refuse(None, SimpleNamespace(level=3), Impl034())
     root = Path(__file__).resolve().parents[2]
     assert (root / tree_step.PIECEWISE_034_RECORD).exists() and (root / tree_step.COMPILED_034_NOTE).exists()
+    assert (root / tree_step.FDONC_034_RECORD).exists()

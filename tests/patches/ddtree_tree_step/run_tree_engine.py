@@ -19,7 +19,7 @@ removed from the environment: vLLM's Triton kernels stay interpreted (decorated 
 ddtree_patcher's runtime, which decides per call, takes its torch reference tree builder and tree
 walk (``kernels/tree_reference.py``, ``kernels/reference.py``, proven equal to the Triton kernels by tests/kernels) instead of
 the interpreted Triton kernels: ~0.45 s per request and step for the builder alone under the
-interpreter, the cost that makes large CPU runs impractical); DIAG_ALLOW_PW034=1 (diagnosis: lifts the runtime's refusal of torch.compile and PIECEWISE graphs on vLLM 0.34.0's FA forward);
+interpreter, the cost that makes large CPU runs impractical); DIAG_ALLOW_PW034=1 (diagnosis: lifts the runtime's refusal of torch.compile and CUDA graphs on vLLM 0.34.0's FA forward);
 DIAG=1 (diagnosis: every FlashAttention layer call of a tree step checked against the dense references, diag_fa.py;
 host syncs, so never in a proof run); HOLD_DIR / HOLD_N (engines started together on one GPU: this one exits only once
 HOLD_N engines are past their start, so none frees GPU memory while another profiles); CONTROL=no-compaction (a negative control: the tree step runs but leaves
@@ -74,7 +74,7 @@ def main() -> None:
         res["vllm"] = vllm.__version__
         res["vllm_file"] = vllm.__file__
         if os.environ.get("DIAG_ALLOW_PW034") == "1":  # diagnosis only (in-process engine): lift the runtime's
-            from ddtree_patcher.runtime import tree_step as _ts  # refusal of torch.compile and PIECEWISE graphs
+            from ddtree_patcher.runtime import tree_step as _ts  # refusal of torch.compile and CUDA graphs
 
             _ts.refuse_compiled_fa034 = lambda *a, **k: None  # on 0.34.0's FA forward
             res["diag_allow_pw034"] = True
