@@ -238,7 +238,7 @@ def test_vllm_cpu_chain_and_ddtree_greedy_equal_no_speculation(tiny_pair, tmp_pa
                   DDTREE_ACCOUNTING_RECORD=str(acc))
     n, gen = 4, 24
     proc = subprocess.run([python, str(PAIR / "measure.py"), "--pair", str(out), "--record", str(record),
-                           "--full", str(tmp_path / "full.json"), "--engines", "nospec,chain,dd15", "--eager",
+                           "--full", str(tmp_path / "full.json"), "--engines", "nospec,chain,dd15,ddauto", "--eager",
                            "--batches", "1,4", "--temp1-batches", "4", "--n-prompts", str(n), "--n-b1", "2",
                            "--max-tokens", str(gen), "--budget-s", "1500"],
                           env=env, capture_output=True, text=True, timeout=1700, cwd=str(tmp_path))
@@ -249,12 +249,15 @@ def test_vllm_cpu_chain_and_ddtree_greedy_equal_no_speculation(tiny_pair, tmp_pa
                      if (tmp_path / "pair_logs" / f"{t}.log").exists())
     assert all(e["ok"] for e in eng.values()), (proc.stdout[-3000:], logs)
     assert rec["vllm"] == RELEASE
-    for tag in ("chain", "dd15"):
+    for tag in ("chain", "dd15", "ddauto"):
         for p in eng[tag]["passes"]:
             assert p["spec"]["drafts"] > 0, (tag, p)
             if p["temperature"] == 0.0:
                 assert p["vs_nospec"]["identical"] == p["requests"], (tag, p["B"], p["vs_nospec"])
                 assert p["spec"]["accepted"] > 0, (tag, p)
+    pol = eng["ddauto"]["passes"][-1]["policy"]  # DDTREE_PATCH_BUDGET=auto:63: the policy's summary per pass
+    assert eng["ddauto"]["budget"] == "auto:63" and pol and pol[0]["step"] > 0, pol
+    assert {int(b) for b in pol[0]["acceptance"]} == {15, 31, 63}, pol  # the candidates: the spine, 31, 63
     dd = [p for p in eng["dd15"]["passes"] if p["temperature"] == 0.0]
     for p in dd:  # DDTree's own accounting counted the walks; the tree never accepts less than its spine
         d = p["spec"]["ddtree"]
