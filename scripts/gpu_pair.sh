@@ -27,16 +27,14 @@
 # engine: auto needs a runner that drafts the scheduler's count, V1 there). On vLLM 0.34.0 (V2 only) the
 # runtime refuses torch.compile and every CUDA graph mode with DDTree (docs/notebook/fa034-compiled-mixed.md):
 # EAGER=1 there, every engine eager (the same mode for all: a fair comparison, not vLLM's fastest).
-#   run(carry=[".bundle/01", ".whl"], command="bash scripts/gpu_tree_e2e.sh stage1")
-#   run(carry=[".bundle/02"],         command="bash scripts/gpu_tree_e2e.sh stage1")
-#   run(carry=[".bundle/03"],         command="bash scripts/gpu_tree_e2e.sh stage1")
-#   run(command="bash scripts/gpu_pair.sh train")
-#   run(command="bash scripts/gpu_pair.sh measure")      # again if engines were left (SKIP lines)
-# or, training while the parts travel (the 2026-12-06 session: .whl goes with the last part, which is small):
-#   run(carry=[".bundle/01"], command="bash scripts/gpu_tree_e2e.sh stage1; bash scripts/gpu_pair.sh train-bg")
-#   run(carry=[".bundle/02"], command="bash scripts/gpu_tree_e2e.sh stage1")
-#   run(carry=[".bundle/03", ".whl"], command="... bash scripts/gpu_tree_e2e.sh stage2 (or stage1)")
-#   run(command="bash scripts/gpu_pair.sh measure")      # waits for the training's end
+# With graphs, the 0.26.0 bundle (bash /work/shared/gpu/make_bundle.sh .bundle: two parts; a part of 60 MB,
+# .whl and the tree together exceed what a call carries, so .whl goes with the smaller part), training
+# while the parts travel:
+#   run(carry=[".bundle/01"],         command="bash scripts/gpu_tree_e2e.sh stage1; bash scripts/gpu_pair.sh train-bg")
+#   run(carry=[".bundle/02", ".whl"], command="bash scripts/gpu_tree_e2e.sh stage1")
+#   run(command="VLLM_USE_V2_MODEL_RUNNER=0 COMMIT=<sha> bash scripts/gpu_pair.sh measure")  # waits for the training
+#   run(command="VLLM_USE_V2_MODEL_RUNNER=0 bash scripts/gpu_pair.sh measure")   # again if engines were left (SKIP)
+# On 0.34.0 (three parts, the third with .whl), the same with EAGER=1 and without VLLM_USE_V2_MODEL_RUNNER.
 set -u
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 O=${OUT:-/tmp/out}; mkdir -p "$O"
