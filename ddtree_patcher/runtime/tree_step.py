@@ -101,6 +101,13 @@ def before_capture(runner, *, tree_step_abi: int) -> None:
 
     fit_query_buffers(getattr(runner, "drafter", None), getattr(runner, "compilation_config", None))  # V1
     step = runner.__dict__.get(ATTR)
+    if step is not None and step.stale(runner):
+        # vLLM 0.30.0+ estimates CUDA graph memory by a throwaway capture against a minimal KV cache before the
+        # real one exists (gpu_worker: profile_cudagraph_memory -> capture_model(profile_only=True)), then frees
+        # that cache and the graph manager: a step bound then holds the freed cache's views and pointer tables
+        logger.info("ddtree-patch: the KV caches or the graph manager changed since the tree step bound (vLLM's "
+                    "capture-memory profiling): binding again")
+        step = None
     if step is None:
         step = bind(runner, tree_step_abi=tree_step_abi)
     step.before_capture()
@@ -195,6 +202,18 @@ class TargetTreeStep(TreePlan, TreeAttention, AcceptedPath):
         anc, _ = ancestor_rows(chain)
         self.graph_bufs = (anc, torch.ones(rows, dtype=torch.bool, device=self.device), Q)
 
+    def stale(self, runner) -> bool:
+        """Whether what the step bound is gone: a bound layer's KV cache is another tensor now (or none), or
+        V2's graph manager was replaced (the step keeps the one it bound as its graph config)."""
+        for layer, ptr in getattr(self, "kv_bound", ()):
+            kv = getattr(layer, "kv_cache", None)
+            if isinstance(kv, (list, tuple)):
+                kv = kv[0] if kv else None
+            if kv is None or not hasattr(kv, "data_ptr") or kv.numel() == 0 or kv.data_ptr() != ptr:
+                return True
+        mgr = getattr(runner, "cudagraph_manager", None)
+        return bool(self.v2 and mgr is not None and self.graph_config is not mgr)
+
     def before_capture(self) -> None:
         """``capture_model`` is about to warm up and capture: until the first real step
         (:meth:`prepare`), FlashAttention forwards of uniform decode shape take the graph path
@@ -257,6 +276,7 @@ class TargetTreeStep(TreePlan, TreeAttention, AcceptedPath):
                           or getattr(drafter, "draft_attn_layer_names", None) or ())
         groups = []
         seen = set()
+        self.kv_bound = []  # (layer, its KV cache's data_ptr) of every bound layer: stale()
         for gid, group in enumerate(cfg.kv_cache_groups):
             spec = group.kv_cache_spec
             kind = type(spec).__name__
@@ -298,6 +318,7 @@ class TargetTreeStep(TreePlan, TreeAttention, AcceptedPath):
                     raise not_ready(f"layers on two attention backends ({self.backend}, {backend})")
                 self.backend = backend
                 impl.__dict__[ATTR] = self
+                self.kv_bound.append((layer, kv.data_ptr()))
                 self.num_layers += 1
                 if kv.data_ptr() in seen:  # a layer sharing another's KV (KV sharing): moved once
                     continue

@@ -428,3 +428,45 @@ def test_graphs_and_compile_are_refused_on_0_34_0s_flash_attention_forward():
     root = Path(__file__).resolve().parents[2]
     assert (root / tree_step.PIECEWISE_034_RECORD).exists() and (root / tree_step.COMPILED_034_NOTE).exists()
     assert (root / tree_step.FDONC_034_RECORD).exists()
+
+
+def test_a_step_bound_before_the_caches_were_replaced_binds_again(monkeypatch):
+    """vLLM 0.30.0+ (V2 from 0.34.0's gpu_worker) estimates CUDA graph memory by a throwaway
+    ``capture_model(profile_only=True)`` against a minimal KV cache, then frees that cache and the graph
+    manager; the real capture follows. The tree step bound by the throwaway capture must not survive it: at
+    the next ``capture_model`` site a step whose layers' KV caches or whose V2 graph manager were replaced
+    binds again (what it bound: views and the compaction's pointer tables into the freed cache)."""
+    import torch
+    from types import SimpleNamespace
+
+    layer = SimpleNamespace(kv_cache=[torch.zeros(4, 2, 8, 16)])
+    mgr = object()
+    runner = SimpleNamespace(drafter=None, compilation_config=None, cudagraph_manager=mgr)
+
+    def fake_step(r):
+        st = tree_step.TargetTreeStep.__new__(tree_step.TargetTreeStep)
+        st.v2, st.graph_config, st.graph_bufs = True, r.cudagraph_manager, None
+        st.kv_bound = [(layer, layer.kv_cache[0].data_ptr())]
+        return st
+
+    binds = []
+
+    def bind(r, *, tree_step_abi):
+        st = fake_step(r)
+        binds.append(st)
+        r.__dict__[tree_step.ATTR] = st
+        return st
+
+    monkeypatch.setattr(tree_step, "bind", bind)
+    tree_step.before_capture(runner, tree_step_abi=tree_step.TREE_STEP_ABI)
+    first = runner.__dict__[tree_step.ATTR]
+    tree_step.before_capture(runner, tree_step_abi=tree_step.TREE_STEP_ABI)  # nothing changed: the same step
+    assert binds == [first] and not first.stale(runner)
+    layer.kv_cache = [torch.zeros(10, 2, 8, 16)]  # the real cache replaces the profiling one
+    assert first.stale(runner)
+    tree_step.before_capture(runner, tree_step_abi=tree_step.TREE_STEP_ABI)
+    assert len(binds) == 2 and runner.__dict__[tree_step.ATTR] is binds[1] and not binds[1].stale(runner)
+    runner.cudagraph_manager = object()  # V2: a new graph manager
+    assert binds[1].stale(runner)
+    layer.kv_cache = []  # freed (vLLM's clear_layer_kv_caches)
+    assert binds[1].stale(runner)
