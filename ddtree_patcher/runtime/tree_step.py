@@ -205,11 +205,12 @@ class TargetTreeStep(TreePlan, TreeAttention, AcceptedPath):
     def stale(self, runner) -> bool:
         """Whether what the step bound is gone: a bound layer's KV cache is another tensor now (or none), or
         V2's graph manager was replaced (the step keeps the one it bound as its graph config)."""
-        for layer, ptr in getattr(self, "kv_bound", ()):
+        for layer, (ptr, shape) in getattr(self, "kv_bound", ()):  # (the new cache may reuse the old address)
             kv = getattr(layer, "kv_cache", None)
             if isinstance(kv, (list, tuple)):
                 kv = kv[0] if kv else None
-            if kv is None or not hasattr(kv, "data_ptr") or kv.numel() == 0 or kv.data_ptr() != ptr:
+            if kv is None or not hasattr(kv, "data_ptr") or kv.numel() == 0 or (kv.data_ptr(), tuple(kv.shape)) != (
+                    ptr, shape):
                 return True
         mgr = getattr(runner, "cudagraph_manager", None)
         return bool(self.v2 and mgr is not None and self.graph_config is not mgr)
@@ -276,7 +277,7 @@ class TargetTreeStep(TreePlan, TreeAttention, AcceptedPath):
                           or getattr(drafter, "draft_attn_layer_names", None) or ())
         groups = []
         seen = set()
-        self.kv_bound = []  # (layer, its KV cache's data_ptr) of every bound layer: stale()
+        self.kv_bound = []  # (layer, (its KV cache's data_ptr, shape)) of every bound layer: stale()
         for gid, group in enumerate(cfg.kv_cache_groups):
             spec = group.kv_cache_spec
             kind = type(spec).__name__
@@ -318,7 +319,7 @@ class TargetTreeStep(TreePlan, TreeAttention, AcceptedPath):
                     raise not_ready(f"layers on two attention backends ({self.backend}, {backend})")
                 self.backend = backend
                 impl.__dict__[ATTR] = self
-                self.kv_bound.append((layer, kv.data_ptr()))
+                self.kv_bound.append((layer, (kv.data_ptr(), tuple(kv.shape))))
                 self.num_layers += 1
                 if kv.data_ptr() in seen:  # a layer sharing another's KV (KV sharing): moved once
                     continue

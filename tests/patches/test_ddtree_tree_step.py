@@ -446,7 +446,8 @@ def test_a_step_bound_before_the_caches_were_replaced_binds_again(monkeypatch):
     def fake_step(r):
         st = tree_step.TargetTreeStep.__new__(tree_step.TargetTreeStep)
         st.v2, st.graph_config, st.graph_bufs = True, r.cudagraph_manager, None
-        st.kv_bound = [(layer, layer.kv_cache[0].data_ptr())]
+        kv = layer.kv_cache[0]
+        st.kv_bound = [(layer, (kv.data_ptr(), tuple(kv.shape)))]
         return st
 
     binds = []
@@ -467,6 +468,9 @@ def test_a_step_bound_before_the_caches_were_replaced_binds_again(monkeypatch):
     tree_step.before_capture(runner, tree_step_abi=tree_step.TREE_STEP_ABI)
     assert len(binds) == 2 and runner.__dict__[tree_step.ATTR] is binds[1] and not binds[1].stale(runner)
     runner.cudagraph_manager = object()  # V2: a new graph manager
+    assert binds[1].stale(runner)
+    runner.cudagraph_manager = binds[1].graph_config
+    layer.kv_cache = [layer.kv_cache[0].view(20, 1, 8, 16)]  # the same address, another shape (a reused block)
     assert binds[1].stale(runner)
     layer.kv_cache = []  # freed (vLLM's clear_layer_kv_caches)
     assert binds[1].stale(runner)
