@@ -108,16 +108,21 @@ def main() -> None:
     spec = os.environ.get("SPEC") == "1"
     ddtree = spec and os.environ.get("DDTREE_PATCH_ENABLE") == "1"
     depth = int(os.environ.get("DEPTH", "15"))
-    raw = (os.environ.get("DDTREE_PATCH_BUDGET", "0") or "0").strip()
-    auto = raw.startswith("auto")  # auto:N (issue 35.2): each step's budget picked among the spine, 15/31/63 <= N, N
-    budget = int(raw.split(":", 1)[1]) if auto else int(raw)
+    budget, auto, widths = 0, False, None
+    if ddtree:  # the runtime's own reading of DDTREE_PATCH_BUDGET (N, or auto:N) and auto's candidate budgets
+        from ddtree_patcher.runtime.ddtree_config import auto_candidates
+        from ddtree_patcher.runtime.switches import budget_spec
+
+        budget, auto = budget_spec()
+        widths = list(auto_candidates(budget, depth)) if auto else None
     batches = [int(x) for x in os.environ.get("BATCHES", "1,8,32").split(",") if x]
     t1b = os.environ.get("TEMP1_BATCHES")
     temp1 = [int(x) for x in (str(max(batches)) if t1b is None else t1b).split(",") if x]
     n_prompts, n_b1 = int(os.environ.get("N_PROMPTS", "64")), int(os.environ.get("N_B1", "16"))
     max_tokens = int(os.environ.get("MAX_TOKENS", "128"))
     res = {"tag": os.environ.get("TAG", ""), "spec": "ddtree" if ddtree else "chain" if spec else "none",
-           "depth": depth if spec else 0, "budget": (raw if auto else budget) if ddtree else None, "passes": []}
+           "depth": depth if spec else 0, "budget": (f"auto:{budget}" if auto else budget) if ddtree else None,
+           "passes": []}
     step = "import"
     try:
         import torch
@@ -140,9 +145,8 @@ def main() -> None:
         if cuda:
             kw["gpu_memory_utilization"] = float(os.environ.get("GPU_MEM", "0.3"))
         rows = 1 + (budget if ddtree else depth if spec else 0)
-        # the rows per request a step may take: under auto each candidate budget's (a FULL graph for each)
-        widths = sorted({depth, budget} | {b for b in (15, 31, 63) if depth < b <= budget}) if ddtree and auto \
-            else [rows - 1]
+        # draft tokens per request a step may take (auto: each candidate's, a FULL graph for each)
+        widths = widths or [rows - 1]
         if not eager:
             cc = {"cudagraph_mode": os.environ.get("CG_MODE", "FULL_DECODE_ONLY")}
             sizes = os.environ.get("CG_SIZES")
