@@ -205,12 +205,9 @@ class TargetTreeStep(TreePlan, TreeAttention, AcceptedPath):
     def stale(self, runner) -> bool:
         """Whether what the step bound is gone: a bound layer's KV cache is another tensor now (or none), or
         V2's graph manager was replaced (the step keeps the one it bound as its graph config)."""
-        for layer, (ptr, shape) in getattr(self, "kv_bound", ()):  # (the new cache may reuse the old address)
-            kv = getattr(layer, "kv_cache", None)
-            if isinstance(kv, (list, tuple)):
-                kv = kv[0] if kv else None
-            if kv is None or not hasattr(kv, "data_ptr") or kv.numel() == 0 or (kv.data_ptr(), tuple(kv.shape)) != (
-                    ptr, shape):
+        for layer, bound in getattr(self, "kv_bound", ()):  # (the new cache may reuse the old address)
+            kv = _layer_kv(layer)
+            if kv is None or not hasattr(kv, "data_ptr") or kv.numel() == 0 or _kv_key(kv) != bound:
                 return True
         mgr = getattr(runner, "cudagraph_manager", None)
         return bool(self.v2 and mgr is not None and self.graph_config is not mgr)
@@ -303,9 +300,7 @@ class TargetTreeStep(TreePlan, TreeAttention, AcceptedPath):
                 why = impl_refusal(impl)
                 if why:
                     raise not_ready(f"layer {name}: {why}")
-                kv = layer.kv_cache
-                if isinstance(kv, (list, tuple)):
-                    kv = kv[0]
+                kv = _layer_kv(layer)
                 if iname == "FlashAttentionImpl":
                     layer_views = self._fa_views(impl, kv, name)
                     backend = "FLASH_ATTN (FA3)"
@@ -319,7 +314,7 @@ class TargetTreeStep(TreePlan, TreeAttention, AcceptedPath):
                     raise not_ready(f"layers on two attention backends ({self.backend}, {backend})")
                 self.backend = backend
                 impl.__dict__[ATTR] = self
-                self.kv_bound.append((layer, (kv.data_ptr(), tuple(kv.shape))))
+                self.kv_bound.append((layer, _kv_key(kv)))
                 self.num_layers += 1
                 if kv.data_ptr() in seen:  # a layer sharing another's KV (KV sharing): moved once
                     continue
@@ -366,6 +361,19 @@ class TargetTreeStep(TreePlan, TreeAttention, AcceptedPath):
                 "attention_calls": self.attention_calls, "compactions": self.compactions,
                 "moved_rows": self.moved_rows,
                 "accepted_depths": dict(sorted(self.accepted_depths.items()))}
+
+
+def _layer_kv(layer):
+    """A layer's KV cache tensor (V1 keeps one per virtual engine: the first), or None (none, or cleared)."""
+    kv = getattr(layer, "kv_cache", None)
+    if isinstance(kv, (list, tuple)):
+        kv = kv[0] if kv else None
+    return kv
+
+
+def _kv_key(kv) -> tuple:
+    """What identifies a bound KV cache for :meth:`TargetTreeStep.stale`: its address and shape."""
+    return kv.data_ptr(), tuple(kv.shape)
 
 
 def live(runner) -> "TargetTreeStep | None":
