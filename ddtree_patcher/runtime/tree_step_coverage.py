@@ -227,7 +227,8 @@ def refuse_compiled_fa034(graph_config, compilation_config, impl) -> str | None:
     cmode = _compilation_mode(compilation_config)
     what = (f"CUDA graph mode {getattr(mode, 'name', mode)}" if graphs else
             f"torch.compile (compilation mode {getattr(cmode, 'name', None) or cmode})")
-    return (f"{what} on this vLLM's FlashAttention forward (vLLM 0.34.0's shape): mixed batches diverged from "
+    return (f"{what} on this vLLM's FlashAttention forward ({FLASH_ATTN_PY}: FlashAttentionImpl.forward, vLLM "
+            "0.34.0's shape): mixed batches diverged from "
             "no speculation in the tree step's GPU proofs with CUDA graphs or torch.compile (PIECEWISE graphs: "
             f"{PIECEWISE_034_RECORD}; FULL_DECODE_ONLY without torch.compile: {FDONC_034_RECORD}; with it: "
             f"{COMPILED_034_NOTE}); eager mixed batches did not. Start vLLM with enforce_eager=True")

@@ -421,6 +421,7 @@ def test_graphs_and_compile_are_refused_on_0_34_0s_flash_attention_forward():
             assert refuse(graphs, comp, Impl026()) is None
             if why:
                 assert "enforce_eager=True" in why and tree_step.FDONC_034_RECORD in why, why
+                assert f"{tree_step.FLASH_ATTN_PY}: FlashAttentionImpl.forward" in why, why
                 assert (f"CUDA graph mode {name}" if with_graphs else "torch.compile (compilation mode ") in why, why
     assert "compilation mode VLLM_COMPILE)" in refuse(SimpleNamespace(cudagraph_mode=Mode("NONE")),
                                                        SimpleNamespace(mode=CMode(3)), Impl034())
