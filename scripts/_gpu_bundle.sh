@@ -1,15 +1,20 @@
 # Shared by the H200 scripts that run an offline vLLM bundle (/work/shared/gpu/README.md: 0.26.0 in two
 # chunks, 0.34.0 in three) with the whole repository patched in: sourced, needs REPO and O set.
+# Where: the parts travel in $REPO/$BUNDLE_DIR/0* (default .bundle), are gathered in $VB (/tmp/vb) and unpacked
+# into $SITE (/tmp/site). A second release on the same warm machine takes its own three, e.g.
+# BUNDLE_DIR=.bundle-0.28.0 VB=/tmp/vb-0.28.0 SITE=/tmp/site-0.28.0 (and its own LOGS).
 #   bundle_stage1   first `run` call (carry .bundle/01 and .whl): part 1 of the bundle, libcst; a
 #                   bundle of more parts: the same for each further part but the last (carry .bundle/02)
-#   bundle_install  the last part's call (carry .bundle/02, or 03): unpack into /tmp/site once per machine, export
+#   bundle_install  the last part's call (carry .bundle/02, or 03): unpack into $SITE once per machine, export
 #                   the environment every engine process of these scripts runs with; installs
 #                   libcst if stage 1 did not (.whl may travel with either call: with a larger
 #                   bundle part 1, .bundle/01 + .whl + the tree can exceed the 64 MiB a call carries)
-#   bundle_apply_series   the whole patch series applied to /tmp/site once per machine ($O/apply.log)
+#   bundle_apply_series   the whole patch series applied to $SITE once per machine ($O/apply.log)
 #   engine_pending TAG BUDGET MIN   whether engine TAG still has to run: not finished in $L (a RESULT
 #                   line with "ok": true), selected by ONLY, and at least MIN of the BUDGET seconds
 #                   since T0 left (then sets `left`); says SKIP otherwise
+
+BUNDLE_DIR=${BUNDLE_DIR:-.bundle} VB=${VB:-/tmp/vb} SITE=${SITE:-/tmp/site}
 
 bundle_libcst() {  # libcst into /tmp/tools from the carried .whl, once per machine
   [ -d /tmp/tools/libcst ] && return 0
@@ -19,18 +24,19 @@ bundle_libcst() {  # libcst into /tmp/tools from the carried .whl, once per mach
 }
 
 bundle_stage1() {  # every part this call carries
-  mkdir -p /tmp/vb && for d in "$REPO"/.bundle/0*/; do cp -f "$d"* /tmp/vb/ || return 3; done; ls -la /tmp/vb | tail -3
+  mkdir -p "$VB" && for d in "$REPO/$BUNDLE_DIR"/0*/; do [ -d "$d" ] && { cp -f "$d"* "$VB"/ || return 3; }; done
+  ls -la "$VB" | tail -3
   bundle_libcst
   nvidia-smi -L
 }
 
 bundle_install() {
   bundle_libcst
-  if [ ! -f /tmp/site/.bundle-sha256 ]; then
-    for d in "$REPO"/.bundle/0*/; do cp -f "$d"* /tmp/vb/ || exit 3; done
-    eval "$(bash /tmp/vb/device_install.sh | tee "$O/install.log" | grep '^export ')" || exit 4
+  if [ ! -f "$SITE/.bundle-sha256" ]; then
+    mkdir -p "$VB" && for d in "$REPO/$BUNDLE_DIR"/0*/; do [ -d "$d" ] && { cp -f "$d"* "$VB"/ || exit 3; }; done
+    eval "$(bash "$VB/device_install.sh" "$VB" "$SITE" | tee "$O/install.log" | grep '^export ')" || exit 4
   fi
-  export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=/tmp/site:/tmp/tools:$(ddtree_path) PYTHONUNBUFFERED=1 \
+  export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=$SITE:/tmp/tools:$(ddtree_path) PYTHONUNBUFFERED=1 \
     VLLM_ENABLE_V1_MULTIPROCESSING=0
   cd /tmp  # engines never run in the checkout: `python -m` subprocesses (vLLM's model registry) put the
            # working directory first on sys.path, where the checkout's kernels/ would shadow the
@@ -44,8 +50,8 @@ ddtree_path() {  # a folder holding only a link to the checkout's ddtree_patcher
 }
 
 bundle_apply_series() {
-  if ! grep -q "ddtree-patch: ddtree-tree-step" /tmp/site/vllm/v1/attention/backends/flash_attn.py 2>/dev/null; then
-    python3 -m ddtree_patcher.cli apply --vllm-path /tmp/site > "$O/apply.log" 2>&1 || { cat "$O/apply.log"; exit 5; }
+  if ! grep -q "ddtree-patch: ddtree-tree-step" "$SITE/vllm/v1/attention/backends/flash_attn.py" 2>/dev/null; then
+    python3 -m ddtree_patcher.cli apply --vllm-path "$SITE" > "$O/apply.log" 2>&1 || { cat "$O/apply.log"; exit 5; }
   fi
 }
 

@@ -6,8 +6,8 @@
 #   train    needs only the device's torch/tokenizers/safetensors (no bundle): writes the pair to
 #            $PAIR (default /tmp/pair: it stays on the warm machine for the next call).
 #            TRAIN_MINUTES (default 6.5: the script's own wall cap), SEED (0), TRAIN_ARGS (more flags).
-#   measure  the bundle staged beforehand (gpu_tree_e2e.sh stage1 for every part: /tmp/vb; or the
-#            parts carried in .bundle/0*), unpacked to /tmp/site once, the whole patch series applied
+#   measure  the bundle staged beforehand (gpu_tree_e2e.sh stage1 for every part: $VB; or the
+#            parts carried in $BUNDLE_DIR/0*), unpacked to $SITE once, the whole patch series applied
 #            once, then the engines (ENGINES, default nospec,chain,dd15,dd31,dd63,ddauto) within
 #            MEASURE_BUDGET s (default 480). A second call on the same machine keeps the engines
 #            already finished (their results in /tmp/pair_logs) and runs the rest; RERUN=1 reruns all.
@@ -69,23 +69,12 @@ finally:
   echo "PAIR-TRAIN ok"
 }
 
-install_site() {  # the bundle's parts from /tmp/vb (staged by stage1 calls) or carried now
-  bundle_libcst
-  if [ ! -f /tmp/site/.bundle-sha256 ]; then
-    mkdir -p /tmp/vb
-    for d in "$REPO"/.bundle/0*/; do [ -d "$d" ] && { cp -f "$d"* /tmp/vb/ || exit 3; }; done
-    eval "$(bash /tmp/vb/device_install.sh | tee "$O/install.log" | grep '^export ')" || exit 4
-  fi
-  export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=/tmp/site:/tmp/tools:$(ddtree_path) PYTHONUNBUFFERED=1 \
-    VLLM_ENABLE_V1_MULTIPROCESSING=0
-  cd /tmp  # engines never run in the checkout (scripts/_gpu_bundle.sh: ddtree_path)
-}
 
 measure() {
   local tm=$(date +%s)
   # install and apply first: they need no GPU, so they overlap a train-bg run still training
   ph install
-  install_site
+  bundle_install
   ph apply
   bundle_apply_series
   if [ -f /tmp/pair_train.log ]; then  # a train-bg run: wait for its end (at most TRAIN_WAIT_S, default 420 s; MEASURE_BUDGET counts the wait)
