@@ -31,6 +31,9 @@
 # basic and mixed, each against the V2 no-spec engine of its mode. s-*: sampled output (temperature
 # 1, V1 and V2), DDTree against no speculation by chi-square (every test p > 1e-3).
 # Record of the V2 and sampled engines: docs/runs/h200-ddtree-v2-2026-12-01.json.
+# DIAG_ALLOW_PW034=1 (every graph-mode DDTree engine of the V2 runner): lifts the runtime's refusal of
+# CUDA graphs on vLLM 0.34.0's FlashAttention forward inside the engine process (run_tree_engine.py), so
+# the same engines test 0.34.0's graph modes; on the other releases there is no such refusal to lift.
 set -u
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 O=${OUT:-/tmp/out}; mkdir -p "$O"
@@ -65,7 +68,7 @@ ENGINES=("nospec        SPEC=0 EAGER=1 LOGPROBS=2"
          "nospec-v2        $V2 SPEC=0 EAGER=1 LOGPROBS=2"
          "dd-v2            $V2 SPEC=1 EAGER=1 DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1"
          "nospec-v2-fg     $V2 SPEC=0 EAGER=0 CG_MODE=FULL_AND_PIECEWISE LOGPROBS=2"
-         "dd-v2-fg         $V2 SPEC=1 EAGER=0 CG_MODE=FULL_AND_PIECEWISE DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1"
+         "dd-v2-fg         $V2 SPEC=1 EAGER=0 CG_MODE=FULL_AND_PIECEWISE DIAG_ALLOW_PW034=1 DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1"
          "nospec-mix-v2    $V2 SPEC=0 EAGER=1 LOGPROBS=2 $MIX"
          "dd-mix-v2        $V2 SPEC=1 EAGER=1 DDTREE_PATCH_ENABLE=1 SYNC_DEBUG=1 $MIX"
          "nospec-mix-v2-pw $V2 SPEC=0 EAGER=0 CG_MODE=PIECEWISE LOGPROBS=2 $MIX"
@@ -75,7 +78,7 @@ ENGINES=("nospec        SPEC=0 EAGER=1 LOGPROBS=2"
          "s-nospec         SPEC=0 EAGER=0 CG_MODE=FULL_AND_PIECEWISE SEED_BASE=0 $SAMPLED"
          "s-dd             SPEC=1 EAGER=0 CG_MODE=FULL_AND_PIECEWISE SEED_BASE=1000000 DDTREE_PATCH_ENABLE=1 $SAMPLED"
          "s-nospec-v2      $V2 SPEC=0 EAGER=0 CG_MODE=FULL_AND_PIECEWISE SEED_BASE=0 $SAMPLED"
-         "s-dd-v2          $V2 SPEC=1 EAGER=0 CG_MODE=FULL_AND_PIECEWISE SEED_BASE=1000000 DDTREE_PATCH_ENABLE=1 $SAMPLED"
+         "s-dd-v2          $V2 SPEC=1 EAGER=0 CG_MODE=FULL_AND_PIECEWISE DIAG_ALLOW_PW034=1 SEED_BASE=1000000 DDTREE_PATCH_ENABLE=1 $SAMPLED"
          "sd1              SPEC=1 EAGER=0 CG_MODE=FULL_AND_PIECEWISE DDTREE_PATCH_ENABLE=1 $SEEDED N_PROMPTS=1"
          "sd2              SPEC=1 EAGER=0 CG_MODE=FULL_AND_PIECEWISE DDTREE_PATCH_ENABLE=1 $SEEDED N_PROMPTS=2"
          "sd1-v2           $V2 SPEC=1 EAGER=0 CG_MODE=FULL_AND_PIECEWISE DDTREE_PATCH_ENABLE=1 $SEEDED N_PROMPTS=1"
