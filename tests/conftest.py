@@ -49,6 +49,7 @@ REASONS = {
 # other tests. A file missing here is kept out of the fast tier and fails test_every_test_file_has_a_tier.
 TIERS: dict[str, tuple | dict] = {
     "benchmarks/test_pair.py": {"*": (), "test_tiny_training_writes_a_pair": ("long",), "test_vllm_cpu_chain_and_ddtree_greedy_equal_no_speculation": ("engine",)},
+    "benchmarks/test_make_bundle_release.py": (),
     "engine/test_ansible.py": ("long",),
     "engine/test_cli.py": {"*": (), "test_verify_import_imports_the_patched_modules": ("vllm_runtime",)},
     "engine/test_crash_campaign.py": ("long",),
