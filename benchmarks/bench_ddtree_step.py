@@ -251,7 +251,7 @@ def host_profile(llm, prompts, sp, B, top=40):
 
 def run_engine(a) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    res = {"mode": a.mode, "budget": a.budget, "depth": a.depth, "ctx": a.ctx, "tokens": a.tokens, "cg": a.cg,
+    res = {"mode": a.mode, "budget": int(a.budget) if str(a.budget).isdigit() else a.budget, "depth": a.depth, "ctx": a.ctx, "tokens": a.tokens, "cg": a.cg,
            "tree_stream": os.environ.get("DDTREE_PATCH_TREE_STREAM", "1") != "0",
            "shape": a.shape, "runner": a.runner}
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if a.runner == "V2" else "0"
