@@ -69,7 +69,6 @@ finally:
   echo "PAIR-TRAIN ok"
 }
 
-
 measure() {
   local tm=$(date +%s)
   # install and apply first: they need no GPU, so they overlap a train-bg run still training
