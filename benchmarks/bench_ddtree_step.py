@@ -363,9 +363,9 @@ def run_engine(a) -> dict:
                 timer.timed = False
                 per[pass_] = timer.summarize(timer.steps, B, widths or [k])
             if a.mode == "ddtree" and len(widths) > 1:  # auto: what the policy picked up to now (cumulative)
-                from ddtree_patcher.runtime.budget_site import live_drafters
+                from ddtree_patcher.runtime.budget_site import policy_summaries
 
-                per["policy"] = [d.policy.summary() for d in live_drafters() if getattr(d, "policy", None) is not None]
+                per["policy"] = policy_summaries()
             res["batches"][str(B)] = per
             print(f"B={B}: plain {per['plain'].get('wall_ms')} ms/step ({per['plain']['steps']} steps), "
                   f"timed {per['timed'].get('gpu_ms')} ms GPU", flush=True)

@@ -23,8 +23,17 @@ bundle_libcst() {  # libcst into /tmp/tools from the carried .whl, once per mach
     && python3 -c "import sys; sys.path.insert(0, '/tmp/tools'); import libcst; print('libcst', libcst.__file__)"
 }
 
+bundle_gather() {  # the parts this call carries ($REPO/$BUNDLE_DIR/0*/) into $VB; non-zero when a copy fails
+  local d
+  mkdir -p "$VB" || return 1
+  for d in "$REPO/$BUNDLE_DIR"/0*/; do
+    [ -d "$d" ] || continue
+    cp -f "$d"* "$VB"/ || return 1
+  done
+}
+
 bundle_stage1() {  # every part this call carries
-  mkdir -p "$VB" && for d in "$REPO/$BUNDLE_DIR"/0*/; do [ -d "$d" ] && { cp -f "$d"* "$VB"/ || return 3; }; done
+  bundle_gather || return 3
   ls -la "$VB" | tail -3
   bundle_libcst
   nvidia-smi -L
@@ -33,7 +42,7 @@ bundle_stage1() {  # every part this call carries
 bundle_install() {
   bundle_libcst
   if [ ! -f "$SITE/.bundle-sha256" ]; then
-    mkdir -p "$VB" && for d in "$REPO/$BUNDLE_DIR"/0*/; do [ -d "$d" ] && { cp -f "$d"* "$VB"/ || exit 3; }; done
+    bundle_gather || exit 3
     eval "$(bash "$VB/device_install.sh" "$VB" "$SITE" | tee "$O/install.log" | grep '^export ')" || exit 4
   fi
   export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=$SITE:/tmp/tools:$(ddtree_path) PYTHONUNBUFFERED=1 \

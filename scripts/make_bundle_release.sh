@@ -16,7 +16,7 @@ esac
 T=$(mktemp -d); trap 'rm -rf "$T"' EXIT
 cp "$SHARED/make_bundle.sh" "$SHARED/device_install.sh" "$T/"; cp -r "$SHARED/shim034" "$T/"
 python3 - "$T/make_bundle.sh" "$swap" <<'PY'
-import re, sys
+import sys
 path, swap = sys.argv[1], sys.argv[2]
 src = open(path).read()
 anchor = '  0.34.*) PINNED=$PINNED_0340 ;;\n'

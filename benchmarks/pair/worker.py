@@ -69,11 +69,10 @@ def _accounting() -> dict | None:
 def _policy() -> list | None:
     """DDTREE_PATCH_BUDGET=auto: each live drafter's policy summary (picks, switches, acceptance per budget)."""
     try:
-        from ddtree_patcher.runtime.budget_site import live_drafters
+        from ddtree_patcher.runtime.budget_site import policy_summaries
     except ImportError:
         return None
-    out = [d.policy.summary() for d in live_drafters() if getattr(d, "policy", None) is not None]
-    return out or None
+    return policy_summaries() or None
 
 
 def _delta(after: dict, before: dict) -> dict:

@@ -29,6 +29,12 @@ def live_drafters() -> list:
     return list(_LIVE)
 
 
+def policy_summaries() -> list:
+    """``DDTREE_PATCH_BUDGET=auto``: each live drafter's policy summary (``BudgetPolicy.summary``: the budget
+    it holds, steps, switches, explorations, acceptance per budget); empty without auto."""
+    return [d.policy.summary() for d in live_drafters() if getattr(d, "policy", None) is not None]
+
+
 def bind_scheduler(scheduler, *, ddtree_abi: int) -> "ScheduledBudget | None":
     """The scheduler call site's bind (its first ``schedule()`` with DDTree on): None unless the budget is
     ``auto`` (a pinned budget: vLLM's count, N, every step)."""
