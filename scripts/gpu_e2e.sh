@@ -47,9 +47,9 @@ print("entry points:", eps)
 PY
 
 ph apply
-python3 -m ddtree_patcher.cli apply --vllm-path /tmp/site --patch tree-walk-hook 2>&1 | tee "$O/apply.log"
-python3 -m ddtree_patcher.cli verify --vllm-path /tmp/site 2>&1 | tee -a "$O/apply.log"
-grep -c "ddtree-patch: tree-walk-hook" /tmp/site/vllm/v1/worker/gpu_model_runner.py /tmp/site/vllm/v1/worker/gpu/model_runner.py
+python3 -m ddtree_patcher.cli apply --vllm-path "$SITE" --patch tree-walk-hook 2>&1 | tee "$O/apply.log"
+python3 -m ddtree_patcher.cli verify --vllm-path "$SITE" 2>&1 | tee -a "$O/apply.log"
+grep -c "ddtree-patch: tree-walk-hook" "$SITE"/vllm/v1/worker/gpu_model_runner.py "$SITE"/vllm/v1/worker/gpu/model_runner.py
 
 ph ckpt; python3 "$REPO/tests/patches/engine_tools/make_tiny_ckpts.py" $ROOT
 for cfg in "v2-nospec 0 - -" "v2-tree 1 - 1" "v1-nospec 0 0 -" "v1-tree 1 0 1" "v2-spec-off 1 - -"; do

