@@ -25,6 +25,9 @@ env:
   KERNELS      reference (CPU runs): TRITON_INTERPRET dropped once the engine is built, as in
                tests/patches/ddtree_tree_step/run_tree_engine.py
   LLM_KW       a JSON dict merged into LLM()'s arguments (dicts one level deep)
+  DIAG_ALLOW_PW034  1: lift the runtime's refusal of CUDA graphs and torch.compile on vLLM 0.34.0's
+               FlashAttention forward for this engine (recorded as ``diag_allow_pw034``; only after a GPU
+               run showed those modes identical to no speculation, as gpu_tree_e2e.sh's engines do)
 
 Every pass records: the generated tokens, wall seconds, output tokens/s, and the deltas of vLLM's
 spec-decode counters (drafts, draft tokens, accepted tokens, accepted per position) and, for DDTree,
@@ -130,6 +133,11 @@ def main() -> None:
         import vllm
 
         res["vllm"], res["vllm_file"], res["torch"] = vllm.__version__, vllm.__file__, torch.__version__
+        if os.environ.get("DIAG_ALLOW_PW034") == "1":  # in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+            from ddtree_patcher.runtime import tree_step as _ts
+
+            _ts.refuse_compiled_fa034 = lambda *a, **k: None
+            res["diag_allow_pw034"] = True
         cuda = torch.cuda.is_available() and os.environ.get("CUDA_VISIBLE_DEVICES") != ""
         res["device"] = torch.cuda.get_device_name(0) if cuda else "cpu"
         held = json.load(open(os.path.join(pair, "heldout.json")))
