@@ -35,6 +35,8 @@
 #   run(command="VLLM_USE_V2_MODEL_RUNNER=0 COMMIT=<sha> bash scripts/gpu_pair.sh measure")  # waits for the training
 #   run(command="VLLM_USE_V2_MODEL_RUNNER=0 bash scripts/gpu_pair.sh measure")   # again if engines were left (SKIP)
 # On 0.34.0 (three parts, the third with .whl), the same with EAGER=1 and without VLLM_USE_V2_MODEL_RUNNER.
+# (DIAG_ALLOW_PW034=1 instead of EAGER=1: graphs on 0.34.0, only after a wave showed them identical:
+# docs/notebook/gpu-queue.md.)
 set -u
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 O=${OUT:-/tmp/out}; mkdir -p "$O"
