@@ -20,12 +20,12 @@
 #
 # CPU smoke of the script and the bench (no GPU, no bundle; Triton interpreter, FA3 emulated):
 #   bash scripts/gpu_tree_step.sh smoke
-# The bundle steps are scripts/_gpu_bundle.sh's (/tmp/vb, /tmp/site); a broken or missing bundle
-# only costs the FA columns. Overrides (for testing the script): OUT, PYEXE, BENCH_ARGS.
+# The bundle steps are scripts/_gpu_bundle.sh's (its BUNDLE_DIR, VB, SITE: .bundle, /tmp/vb, /tmp/site unless
+# set); a broken or missing bundle only costs the FA columns. Overrides (for testing the script): OUT, PYEXE,
+# BENCH_ARGS.
 set -u
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 O=${OUT:-/tmp/out}; mkdir -p "$O"
-SITE=/tmp/site  # where bundle_install unpacks
 PY=${PYEXE:-python3}
 T0=$(date +%s)
 ph() { echo "=== PHASE $1 at +$(( $(date +%s) - T0 ))s"; }
@@ -47,16 +47,16 @@ finished() { grep -q '^TREE-STEP-BENCH ' "$O/bench_tree_step.log"; }
 
 case "${1:-}" in
 stage1)
-  if [ -d "$REPO/.bundle/01" ]; then
+  if [ -d "$REPO/$BUNDLE_DIR/01" ]; then
     bundle_stage1
   else
-    echo "no .bundle/01 here: stage2 will run the bench without vLLM (FA columns n/a)"
+    echo "no $BUNDLE_DIR/01 here: stage2 will run the bench without vLLM (FA columns n/a)"
     nvidia-smi -L
   fi
   exit 0 ;;
 stage2)
   ph install
-  if [ ! -f "$SITE/.bundle-sha256" ] && [ -d "$REPO/.bundle/02" ]; then
+  if [ ! -f "$SITE/.bundle-sha256" ] && [ -d "$REPO/$BUNDLE_DIR/02" ]; then
     # in a subshell: a failed install (its exit) leaves this script to run the bench without vLLM;
     # bench() sets the environment each run needs itself
     ( bundle_install ); echo "bundle_install rc=$?"; tail -3 "$O/install.log"
